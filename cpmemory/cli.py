@@ -1,0 +1,34 @@
+"""The ``cpmemory`` command line.
+
+Each command's options and body live in the module that owns the feature; this file only wires them up.
+Command modules import only core dependencies at module level; optional extras are imported inside the command.
+"""
+from __future__ import annotations
+
+import typer
+
+from cpmemory.bench import core_bench, demo, load, replay, store_bench
+from cpmemory.server import command as serve_command
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help="Context reuse for long-context LLM agents.")
+bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks that print figures (tables, or one JSON object).")
+app.add_typer(bench_app, name="bench")
+
+app.command("demo", help="Run the embedded default end to end and compare with the original order.")(demo.command)
+app.command("serve", help="Start the OpenAI-compatible proxy in front of one or more engines.")(serve_command.command)
+bench_app.command("core", help="Index build / search / reorder / dedup speed and memory.")(core_bench.command)
+bench_app.command("store", help="Session store latency and round trips (memory, Redis, Redis Cluster).")(
+    store_bench.command
+)
+bench_app.command("replay", help="Replay a trace or a real workload through every strategy.")(replay.command)
+bench_app.command("load", help="Concurrent conversations through the proxy: overhead, errors, lost blocks.")(
+    load.command
+)
+
+
+def main() -> None:  # pragma: no cover - console entry point
+    app()
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

@@ -1,0 +1,103 @@
+"""Context blocks: the unit cpmemory reorders, schedules and de-duplicates.
+
+A block has a stable caller-chosen ``id``, a ``text`` and optional ``metadata``. Its ``content_hash`` depends on the
+text only, so:
+
+* same id + different text  -> a *changed* block (never deduplicated against its old version);
+* same text under another id -> the same content (deduplicated like the original).
+
+Block ids never reach the prompt. The prompt names a block by its ``label``, derived from the content hash
+(``"D" + 7 hex digits``), so labels are identical across conversations (prefix sharing works across sessions),
+stable within a conversation, and cannot carry injected text whatever the id contains.
+"""
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from cpmemory.errors import InvalidBlockError
+
+LABEL_HEX_DIGITS = 7
+
+
+def content_hash(text: str) -> str:
+    """Return the hex content hash of ``text`` (blake2b-128). Pure, O(len(text))."""
+    return hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).hexdigest()
+
+
+def label_for_hash(digest: str, digits: int = LABEL_HEX_DIGITS) -> str:
+    """Return the prompt label of a content hash, e.g. ``"D3f9a0c1"``."""
+    return "D" + digest[:digits]
+
+
+@dataclass(frozen=True, slots=True)
+class Block:
+    """One context block (a retrieved document, a memory, a tool output).
+
+    Attributes:
+        id: stable identifier chosen by the caller (any string; never shown to the model).
+        text: the content shown to the model.
+        metadata: optional caller data carried through untouched (not part of equality or hash).
+    """
+
+    id: str
+    text: str
+    metadata: Mapping[str, Any] | None = field(default=None, compare=False, hash=False)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.id, str):
+            raise InvalidBlockError(f"block id must be a string, got {type(self.id).__name__}")
+        if not isinstance(self.text, str):
+            raise InvalidBlockError(f"block {self.id!r}: text must be a string, got {type(self.text).__name__}")
+
+    @property
+    def content_hash(self) -> str:
+        """Hash of the text only (see module docstring)."""
+        return content_hash(self.text)
+
+    @property
+    def label(self) -> str:
+        """The label the prompt uses for this block."""
+        return label_for_hash(self.content_hash)
+
+
+BlockLike = Block | Mapping[str, Any] | tuple[Any, str]
+
+
+def to_block(value: BlockLike) -> Block:
+    """Coerce a ``Block``, a mapping ``{"id", "text", "metadata"?}`` or an ``(id, text)`` pair into a Block.
+
+    Integer ids are accepted and converted with ``str``; any other non-string id raises InvalidBlockError.
+    """
+    if isinstance(value, Block):
+        return value
+    if isinstance(value, Mapping):
+        if "id" not in value or "text" not in value:
+            raise InvalidBlockError(f"a block mapping needs 'id' and 'text' keys, got {sorted(map(str, value))}")
+        block_id, text, metadata = value["id"], value["text"], value.get("metadata")
+    elif isinstance(value, tuple) and len(value) == 2:
+        (block_id, text), metadata = value, None
+    else:
+        raise InvalidBlockError(f"cannot make a block from {type(value).__name__}")
+    if isinstance(block_id, int) and not isinstance(block_id, bool):
+        block_id = str(block_id)
+    return Block(block_id, text, metadata)
+
+
+def normalize_blocks(values: Iterable[BlockLike]) -> list[Block]:
+    """Coerce ``values`` into Blocks, keeping the first (best-ranked) of any repeated id.
+
+    Does not mutate anything. O(n). Raises InvalidBlockError on the first unusable value, before returning anything.
+    """
+    if isinstance(values, (str, bytes, Mapping)):
+        raise InvalidBlockError("blocks must be a list of blocks, not a single string or mapping")
+    seen: set[str] = set()
+    out: list[Block] = []
+    for value in values:
+        block = to_block(value)
+        if block.id not in seen:
+            seen.add(block.id)
+            out.append(block)
+    return out

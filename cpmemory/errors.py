@@ -1,0 +1,91 @@
+"""Exceptions raised by cpmemory.
+
+Hierarchy::
+
+    CpMemoryError
+    ├── InvalidInputError (also ValueError)     bad caller input; nothing was changed
+    │   ├── InvalidBlockError                   a block that cannot be used (bad id type, bad text type)
+    │   ├── InvalidIdentifierError              hostile or malformed tenant / conversation id
+    │   └── TraceFormatError                    a malformed trace line (carries line number)
+    ├── ReservationError                        two-phase turn misuse
+    │   ├── UnknownReservationError             commit/abort for a reservation never made or already released
+    │   └── ReservationExpiredError             commit after the reservation timed out
+    ├── IndexIntegrityError                     the context index is corrupt (a bug, never expected)
+    ├── StoreUnavailableError                   the session store (Redis) cannot be reached; callers degrade
+    ├── EngineError                             an engine replica failed or timed out
+    │   └── NoHealthyReplicaError               every replica is down
+    ├── KVEventError                            a malformed KV-event frame
+    └── MissingDependencyError (also ImportError)  an optional extra is not installed; names the pip command
+
+Expected outcomes (a cache miss, an expired conversation) are return values, not exceptions.
+"""
+from __future__ import annotations
+
+
+class CpMemoryError(Exception):
+    """Root of every error raised by cpmemory."""
+
+
+class InvalidInputError(CpMemoryError, ValueError):
+    """The caller passed input cpmemory cannot use. No state was changed."""
+
+
+class InvalidBlockError(InvalidInputError):
+    """A context block is malformed (id or text of the wrong type, ...)."""
+
+
+class InvalidIdentifierError(InvalidInputError):
+    """A tenant or conversation identifier is empty, too long or not a string."""
+
+
+class TraceFormatError(InvalidInputError):
+    """A trace line could not be parsed."""
+
+    def __init__(self, line_number: int, reason: str) -> None:
+        super().__init__(f"trace line {line_number}: {reason}")
+        self.line_number = line_number
+        self.reason = reason
+
+
+class ReservationError(CpMemoryError):
+    """A two-phase turn was used out of order."""
+
+
+class UnknownReservationError(ReservationError, KeyError):
+    """commit/abort named a reservation that does not exist (never made, or already released)."""
+
+    def __str__(self) -> str:  # KeyError quotes its argument; keep the message readable
+        return str(self.args[0]) if self.args else "unknown reservation"
+
+
+class ReservationExpiredError(ReservationError):
+    """The reservation timed out before commit; nothing of it was recorded."""
+
+
+class IndexIntegrityError(CpMemoryError):
+    """The context index violates one of its invariants."""
+
+
+class StoreUnavailableError(CpMemoryError):
+    """The session store could not be reached or timed out."""
+
+
+class EngineError(CpMemoryError):
+    """An engine replica returned an error or did not answer in time."""
+
+
+class NoHealthyReplicaError(EngineError):
+    """No engine replica is available."""
+
+
+class KVEventError(CpMemoryError):
+    """A KV-cache event frame could not be decoded."""
+
+
+class MissingDependencyError(CpMemoryError, ImportError):
+    """An optional dependency is missing; the message names the install command."""
+
+    def __init__(self, extra: str, package: str) -> None:
+        super().__init__(f"{package} is not installed; run: pip install 'cpmemory[{extra}]'")
+        self.extra = extra
+        self.package = package
