@@ -1,0 +1,148 @@
+"""Send a call to the replica its affinity key chooses, failing over to the next one when a replica is down.
+
+The dispatcher joins the ``Router`` (where to go) and a ``ChatTransport`` (how to get there): it counts the call in
+flight, marks a replica down on ``EngineUnreachableError`` and tries the key's next replica, at most once per
+replica. An ``EngineHTTPError`` (the engine answered, with an error) is not retried: the request itself is at fault.
+Streaming calls fail over only before the first byte; once bytes flow, an error reaches the caller.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from cpmemory.errors import NoHealthyReplicaError
+from cpmemory.routing.router import RouteDecision, Router
+from cpmemory.routing.transport import ChatTransport, EngineStream, EngineUnreachableError
+
+
+@dataclass(frozen=True, slots=True)
+class DispatchResult:
+    """A finished non-streaming call.
+
+    Attributes:
+        response: the engine's JSON body.
+        decision: the replica that answered, and why it was chosen.
+        failovers: replicas tried (and marked down) before this one.
+        engine_seconds: wall time spent waiting on engines, every attempt included.
+    """
+
+    response: dict[str, Any]
+    decision: RouteDecision
+    failovers: int
+    engine_seconds: float
+
+
+@dataclass(slots=True)
+class StreamDispatch:
+    """An open streaming call. ``release()`` must be called once the stream is consumed or abandoned."""
+
+    stream: EngineStream
+    decision: RouteDecision
+    failovers: int
+    engine_seconds: float
+    _router: Router
+    _released: bool = False
+
+    async def release(self) -> None:
+        """Close the stream and stop counting the call in flight (idempotent)."""
+        if self._released:
+            return
+        self._released = True
+        self._router.end(self.decision.url)
+        await self.stream.aclose()
+
+
+class Dispatcher:
+    """Routes calls by affinity key, with failover. Use from one event loop."""
+
+    def __init__(
+        self,
+        router: Router,
+        transport: ChatTransport,
+        *,
+        timeout_s: float = 120.0,
+        on_failover: Callable[[RouteDecision], None] | None = None,
+    ) -> None:
+        """Wire a router to a transport; ``on_failover`` is called with each replica marked down. No IO."""
+        self.router = router
+        self.transport = transport
+        self.timeout_s = timeout_s
+        self._on_failover = on_failover
+
+    async def complete(
+        self, key: str, payload: Mapping[str, Any], headers: Mapping[str, str] | None = None
+    ) -> DispatchResult:
+        """Send a non-streaming chat completion for ``key``; fail over on unreachable replicas.
+
+        Raises:
+            NoHealthyReplicaError: every replica is down (or failed during this call).
+            EngineHTTPError: the engine rejected the request (not retried).
+        """
+        tried: list[str] = []
+        waited = 0.0
+        while True:
+            decision = self._choose(key, tried)
+            self.router.begin(decision.url)
+            started = time.perf_counter()
+            try:
+                response = await self.transport.complete(decision.url, payload, headers or {}, self.timeout_s)
+            except EngineUnreachableError:
+                self._fail(decision, tried)
+                continue
+            finally:
+                waited += time.perf_counter() - started
+                self.router.end(decision.url)
+            return DispatchResult(response, decision, len(tried), waited)
+
+    async def open_stream(
+        self, key: str, payload: Mapping[str, Any], headers: Mapping[str, str] | None = None
+    ) -> StreamDispatch:
+        """Open a streaming chat completion for ``key``; fail over until a replica accepts it.
+
+        The call stays counted in flight until ``StreamDispatch.release()``.
+        """
+        tried: list[str] = []
+        waited = 0.0
+        while True:
+            decision = self._choose(key, tried)
+            self.router.begin(decision.url)
+            started = time.perf_counter()
+            try:
+                stream = await self.transport.open_stream(decision.url, payload, headers or {}, self.timeout_s)
+            except EngineUnreachableError:
+                self.router.end(decision.url)
+                self._fail(decision, tried)
+                continue
+            except BaseException:
+                self.router.end(decision.url)
+                raise
+            finally:
+                waited += time.perf_counter() - started
+            return StreamDispatch(stream, decision, len(tried), waited, self.router)
+
+    def _choose(self, key: str, tried: list[str]) -> RouteDecision:
+        try:
+            return self.router.choose(key, exclude=tried)
+        except NoHealthyReplicaError as error:
+            if tried:
+                raise NoHealthyReplicaError(f"every replica failed for this call ({len(tried)} tried)") from error
+            raise
+
+    def _fail(self, decision: RouteDecision, tried: list[str]) -> None:
+        self.router.mark_down(decision.url)
+        tried.append(decision.url)
+        if self._on_failover is not None:
+            self._on_failover(decision)
+
+    async def probe_forever(self, stop: asyncio.Event) -> None:
+        """Probe down replicas every ``router.config.probe_interval_s`` until ``stop`` is set."""
+        interval = self.router.config.probe_interval_s
+        while not stop.is_set():
+            await self.router.probe(self.transport.is_healthy)
+            try:
+                await asyncio.wait_for(stop.wait(), timeout=interval)
+            except asyncio.TimeoutError:
+                continue
