@@ -2,7 +2,36 @@
 from __future__ import annotations
 
 from cpmemory.core.blocks import Block, normalize_blocks
-from cpmemory.errors import CpMemoryError
+from cpmemory.errors import (
+    CpMemoryError,
+    InvalidBlockError,
+    InvalidIdentifierError,
+    InvalidInputError,
+    ReservationError,
+    ReservationExpiredError,
+    StoreUnavailableError,
+    UnknownReservationError,
+)
+from cpmemory.facade import AsyncCpMemory, BatchPlan, CpMemory
+from cpmemory.session.config import CpMemoryConfig
+from cpmemory.session.turns import BlockDecision, PreparedTurn
 
-__all__ = ["Block", "CpMemoryError", "normalize_blocks"]
+__all__ = [
+    "AsyncCpMemory",
+    "BatchPlan",
+    "Block",
+    "BlockDecision",
+    "CpMemory",
+    "CpMemoryConfig",
+    "CpMemoryError",
+    "InvalidBlockError",
+    "InvalidIdentifierError",
+    "InvalidInputError",
+    "PreparedTurn",
+    "ReservationError",
+    "ReservationExpiredError",
+    "StoreUnavailableError",
+    "UnknownReservationError",
+    "normalize_blocks",
+]
 __version__ = "0.1.0"

@@ -1,0 +1,124 @@
+"""How blocks, references and the order annotation are written in the prompt.
+
+The user message of a turn has four sections, each separated by a blank line, always in this order::
+
+    [D3f9a0c1]                      <- a block shown in full: "[<label>]" on its own line, then its text
+    <text of the block>
+
+    [D77b01e2]                      <- a block shown in part (see cpmemory.core.dedup): only its new segments,
+    <new segments>                     then one line naming the label(s) whose text holds the rest
+    (Rest of [D77b01e2]: in [D3f9a0c1], shown earlier.)
+
+    [D0c4e5aa] is shown earlier in this conversation.      <- one reference line per de-duplicated block
+
+    Priority order of the documents: [D0c4e5aa] > [D3f9a0c1] > [D77b01e2]   <- only when prompt order != relevance
+
+    Question: <the query>
+
+Labels come from the content hash (``Block.label``), so the same text gets the same label in every conversation and
+cross-session prefixes stay byte-identical; caller ids never reach the prompt, so an id cannot inject text.
+Every function here is pure and deterministic: the same inputs give the same bytes.
+"""
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+
+REFERENCE_SUFFIX = " is shown earlier in this conversation."
+ORDER_PREFIX = "Priority order of the documents: "
+QUESTION_PREFIX = "Question: "
+SECTION_SEPARATOR = "\n\n"
+
+LABEL_PATTERN = r"D[0-9a-f]{7,32}"
+# A block header is a line holding only "[<label>]".
+HEADER_RE = re.compile(r"^\[(" + LABEL_PATTERN + r")\]$", re.MULTILINE)
+# A line that starts with a label: a header, a reference, or a partial block's trailer (for appearance order).
+LABELLED_LINE_RE = re.compile(r"^\(?(?:Rest of )?\[(" + LABEL_PATTERN + r")\]", re.MULTILINE)
+ORDER_LINE_RE = re.compile(r"^" + re.escape(ORDER_PREFIX) + r"(.*)$", re.MULTILINE)
+_LABEL_IN_BRACKETS_RE = re.compile(r"\[(" + LABEL_PATTERN + r")\]")
+
+
+def block_header(label: str) -> str:
+    """Return the header line that starts a block in the prompt."""
+    return f"[{label}]"
+
+
+def format_block(label: str, text: str) -> str:
+    """Return a block shown in full: its header line, then its text unchanged."""
+    return f"[{label}]\n{text}"
+
+
+def format_partial(label: str, new_segments: Sequence[str], holder_labels: Sequence[str]) -> str:
+    """Return a block shown in part: its new segments (one per line) and where the rest of its text is.
+
+    Args:
+        label: the block's own label.
+        new_segments: the segments of the block not present earlier, in the block's order.
+        holder_labels: labels of earlier blocks holding the other segments (may be empty: "shown earlier").
+    """
+    where = ", ".join(f"[{holder}]" for holder in holder_labels)
+    trailer = f"(Rest of [{label}]: in {where}, shown earlier.)" if where else f"(Rest of [{label}]: shown earlier.)"
+    body = "\n".join(new_segments)
+    return f"[{label}]\n{body}\n{trailer}" if body else f"[{label}]\n{trailer}"
+
+
+def format_reference(label: str) -> str:
+    """Return the reference line that replaces a block whose full text is earlier in the prompt."""
+    return f"[{label}]{REFERENCE_SUFFIX}"
+
+
+def format_order(labels_in_relevance_order: Sequence[str]) -> str:
+    """Return the order annotation: the labels in the caller's relevance order."""
+    return ORDER_PREFIX + " > ".join(f"[{label}]" for label in labels_in_relevance_order)
+
+
+def format_question(query: str) -> str:
+    """Return the question section."""
+    return QUESTION_PREFIX + query
+
+
+def build_user_message(
+    shown: Sequence[str],
+    references: Sequence[str],
+    order_labels: Sequence[str] | None,
+    query: str,
+) -> str:
+    """Assemble the user message from already formatted parts.
+
+    Args:
+        shown: formatted blocks (full or partial), in prompt order.
+        references: labels of de-duplicated blocks, in prompt order.
+        order_labels: labels in relevance order, or None when no order annotation is needed.
+        query: the question.
+
+    Returns:
+        The user message text. Pure; O(total length).
+    """
+    sections: list[str] = list(shown)
+    if references:
+        sections.append("\n".join(format_reference(label) for label in references))
+    if order_labels:
+        sections.append(format_order(order_labels))
+    sections.append(format_question(query))
+    return SECTION_SEPARATOR.join(sections)
+
+
+def parse_order(text: str) -> list[str] | None:
+    """Return the labels of the last order annotation in ``text``, or None when there is none."""
+    matches = ORDER_LINE_RE.findall(text)
+    if not matches:
+        return None
+    return _LABEL_IN_BRACKETS_RE.findall(matches[-1])
+
+
+def appearance_order(text: str, labels: set[str] | frozenset[str]) -> list[str]:
+    """Return the distinct ``labels`` in the order their first labelled line appears in ``text``.
+
+    Only lines that start with a label (block headers, reference lines, partial trailers) count, and only labels in
+    ``labels``, so a label quoted inside a block's text does not change the result.
+    """
+    seen: dict[str, None] = {}
+    for label in LABELLED_LINE_RE.findall(text):
+        if label in labels and label not in seen:
+            seen[label] = None
+    return list(seen)

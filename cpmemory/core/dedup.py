@@ -1,0 +1,235 @@
+"""De-duplication across the turns of one conversation (the paper's Algorithm 3), keyed on content.
+
+For each block of a request, in relevance order, the first rule that applies decides (``decide``):
+
+1. **referenced** (in-request duplicate): an earlier block of this request has the same content hash; the block is
+   covered by that one (same label), nothing more is written.
+2. **changed**: the conversation last committed this block id with a different content hash. Sent in full and never
+   de-duplicated against its old version.
+3. **referenced**: the block's full text, under its label (``"[<label>]\\n<text>"``), is present in the history this
+   very request sends. The block is replaced by a one-line reference. With the stored transcript this is exactly
+   "the content hash was committed earlier in this conversation" (a committed turn's user message holds every block it
+   showed in full); with a caller-given history the text is looked up in that history.
+4. **resent**: the content was committed earlier but its text is not in the history sent now (truncated or replaced
+   history). Sent in full.
+5. **partial**: the block's text is *mostly* present verbatim in the sent history. The text is cut into segments
+   (``split_segments``: lines, then sentences ending in ``.``, ``!`` or ``?``). A segment counts as present when it is
+   at least ``MIN_SEGMENT_CHARS`` (24) characters long and appears as a segment of a block shown earlier in the history.
+   If the present segments hold at least ``threshold`` (default 0.5, i.e. 50%) of the block's segment characters, only
+   the other segments are sent, with a line naming the label(s) whose text holds the rest.
+6. **new**: anything else, sent in full.
+
+Everything here is pure (no IO, no mutation of inputs). ``decide`` is O(k) for k blocks when no history segments are
+given; with segments it adds O(len(text)) per candidate block.
+"""
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+from cpmemory.core import annotations
+from cpmemory.core.blocks import Block, label_for_hash
+
+Status = Literal["new", "referenced", "changed", "partial", "resent"]
+
+DEFAULT_PARTIAL_THRESHOLD = 0.5
+MIN_SEGMENT_CHARS = 24
+
+_SEGMENT_SPLIT_RE = re.compile(r"(?<=[.!?])[ \t]+|\n")
+_STOP_LINE_PREFIXES = (annotations.ORDER_PREFIX, annotations.QUESTION_PREFIX, "(Rest of [")
+
+
+def split_segments(text: str) -> list[str]:
+    """Cut ``text`` into its non-empty segments: lines, then sentences (split after ``.``, ``!``, ``?`` + blank).
+
+    Every segment is a verbatim substring of ``text``. Pure; O(len(text)).
+    """
+    return [segment for segment in _SEGMENT_SPLIT_RE.split(text) if segment.strip()]
+
+
+@dataclass(frozen=True, slots=True)
+class DedupDecision:
+    """What to do with one block.
+
+    Attributes:
+        status: one of "new", "referenced", "changed", "partial", "resent".
+        duplicate_of: index (in the request) of the earlier block with the same content, for in-request duplicates.
+        new_segments: for "partial": the segments to send, in the block's order.
+        holder_labels: for "partial": labels of earlier blocks holding the other segments.
+        saved_chars: characters of the block's text not sent in full because of this decision.
+    """
+
+    status: Status
+    duplicate_of: int | None = None
+    new_segments: tuple[str, ...] = ()
+    holder_labels: tuple[str, ...] = ()
+    saved_chars: int = 0
+
+    @property
+    def in_full(self) -> bool:
+        """True when the block's full text is written in this prompt under its header."""
+        return self.status in ("new", "changed", "resent")
+
+
+class HistoryView(Protocol):
+    """What dedup needs to know about the history a request sends."""
+
+    def has_full(self, block: Block, digest: str, label: str) -> bool:
+        """Return True when the block's full text is present under its label in the history."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class CommittedHistory:
+    """The stored transcript: a content hash committed earlier is, by construction, present in it in full."""
+
+    seen_hashes: frozenset[str] | Mapping[str, object]
+
+    def has_full(self, block: Block, digest: str, label: str) -> bool:
+        """O(1): membership of the hash in what the conversation committed."""
+        return digest in self.seen_hashes
+
+
+@dataclass(frozen=True, slots=True)
+class GivenHistory:
+    """A caller-given history, looked up verbatim (a block is present when "[<label>]\\n<text>" occurs in it)."""
+
+    text: str
+
+    @classmethod
+    def from_messages(cls, messages: Iterable[Mapping[str, str]]) -> GivenHistory:
+        """Join the contents of ``messages`` (O(total length))."""
+        return cls("\n\n".join(message["content"] for message in messages))
+
+    def has_full(self, block: Block, digest: str, label: str) -> bool:
+        """O(len(history)) substring search."""
+        return annotations.format_block(label, block.text) in self.text
+
+
+class SegmentIndex:
+    """Segments of the blocks shown earlier in a history, each with the label of the block holding it.
+
+    Built once per request from the history's user messages (O(total length)); lookups are O(1).
+    """
+
+    __slots__ = ("_holders",)
+
+    def __init__(self, holders: Mapping[str, str]) -> None:
+        self._holders = holders
+
+    @classmethod
+    def from_messages(cls, messages: Iterable[Mapping[str, str]]) -> SegmentIndex:
+        """Index the segments under each block header of every user message in ``messages``."""
+        holders: dict[str, str] = {}
+        for message in messages:
+            if message.get("role") == "user":
+                _index_message(message.get("content", ""), holders)
+        return cls(holders)
+
+    def holder(self, segment: str) -> str | None:
+        """Return the label of the earlier block holding ``segment``, or None."""
+        return self._holders.get(segment)
+
+    def __len__(self) -> int:
+        return len(self._holders)
+
+
+def _index_message(content: str, holders: dict[str, str]) -> None:
+    current: str | None = None
+    for line in content.split("\n"):
+        header = annotations.HEADER_RE.fullmatch(line)
+        if header:
+            current = header.group(1)
+        elif line.startswith(_STOP_LINE_PREFIXES) or line.endswith(annotations.REFERENCE_SUFFIX):
+            current = None
+        elif current is not None:
+            for segment in _SEGMENT_SPLIT_RE.split(line):
+                if len(segment) >= MIN_SEGMENT_CHARS:
+                    holders.setdefault(segment, current)
+
+
+def partial_overlap(text: str, segments: SegmentIndex, threshold: float) -> DedupDecision | None:
+    """Return a "partial" decision when at least ``threshold`` of ``text``'s segment characters are held earlier.
+
+    Pure; O(len(text)).
+    """
+    parts = split_segments(text)
+    total = sum(len(part) for part in parts)
+    if total == 0:
+        return None
+    present = 0
+    new_segments: list[str] = []
+    holders: dict[str, None] = {}
+    for part in parts:
+        holder = segments.holder(part) if len(part) >= MIN_SEGMENT_CHARS else None
+        if holder is None:
+            new_segments.append(part)
+        else:
+            present += len(part)
+            holders[holder] = None
+    if present == 0 or present < threshold * total:
+        return None
+    return DedupDecision("partial", new_segments=tuple(new_segments), holder_labels=tuple(holders), saved_chars=present)
+
+
+def decide(
+    blocks: Sequence[Block],
+    digests: Sequence[str],
+    history: HistoryView,
+    *,
+    seen_hashes: frozenset[str] | Mapping[str, object] = frozenset(),
+    previous_hash_for_id: Mapping[str, str] | None = None,
+    segments: SegmentIndex | None = None,
+    threshold: float = DEFAULT_PARTIAL_THRESHOLD,
+) -> list[DedupDecision]:
+    """Decide, for each block in relevance order, how it is sent (rules in the module docstring).
+
+    Args:
+        blocks: the request's blocks, best-ranked first, ids unique.
+        digests: ``blocks[i].content_hash`` for each block (passed in so callers hash once).
+        history: the history this request sends.
+        seen_hashes: content hashes the conversation committed (to tell "resent" from "new").
+        previous_hash_for_id: block id -> content hash last committed under that id.
+        segments: segments of the history's blocks; None disables partial overlap.
+        threshold: fraction of a block's characters that must be present for "partial".
+
+    Returns:
+        One decision per block, same order. Pure.
+    """
+    previous = previous_hash_for_id or {}
+    first_index: dict[str, int] = {}
+    decisions: list[DedupDecision] = []
+    for index, (block, digest) in enumerate(zip(blocks, digests)):
+        earlier = first_index.setdefault(digest, index)
+        if earlier != index:
+            decisions.append(DedupDecision("referenced", duplicate_of=earlier, saved_chars=len(block.text)))
+            continue
+        decisions.append(_decide_one(block, digest, history, seen_hashes, previous, segments, threshold))
+    return decisions
+
+
+def _decide_one(
+    block: Block,
+    digest: str,
+    history: HistoryView,
+    seen_hashes: frozenset[str] | Mapping[str, object],
+    previous: Mapping[str, str],
+    segments: SegmentIndex | None,
+    threshold: float,
+) -> DedupDecision:
+    old = previous.get(block.id)
+    if old is not None and old != digest:
+        return DedupDecision("changed")
+    label = label_for_hash(digest)
+    if history.has_full(block, digest, label):
+        return DedupDecision("referenced", saved_chars=len(block.text))
+    if digest in seen_hashes:
+        return DedupDecision("resent")
+    if segments is not None and len(segments) and block.text:
+        partial = partial_overlap(block.text, segments, threshold)
+        if partial is not None:
+            return partial
+    return DedupDecision("new")
+

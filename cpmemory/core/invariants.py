@@ -1,0 +1,107 @@
+"""The no-loss invariant: every block a caller passed reaches the model, and its relevance order is recoverable.
+
+``check_no_loss(blocks, messages)`` looks only at the final prompt (the chat messages sent to the engine), never at
+cpmemory's internal decisions, so it checks any producer of prompts. A block passes when one of these holds:
+
+* **full**: ``"[<label>]\\n<text>"`` occurs in the prompt (in this turn's message or in the history it sends), and its
+  label is named in the last message (shown there, or referenced there);
+* **partial**: every segment of its text (``cpmemory.core.dedup.split_segments``) occurs verbatim in the prompt, and
+  its label is named in the last message.
+
+Order: the labels of the blocks, distinct, in the caller's relevance order, must equal the order annotation of the
+last message when it has one, else the order in which the labels first appear at the start of a line of that message.
+
+Cost: O(k * P) substring searches for k blocks and a prompt of P characters (``str.find`` is memchr-fast), plus one
+regex pass over the last message.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from cpmemory.core import annotations
+from cpmemory.core.blocks import Block, BlockLike, normalize_blocks
+from cpmemory.core.dedup import split_segments
+
+
+@dataclass(frozen=True, slots=True)
+class NoLossReport:
+    """Result of :func:`check_no_loss`.
+
+    Attributes:
+        ok: True when nothing is lost and the order is recoverable.
+        violations: one readable line per problem (empty when ok).
+        full: number of blocks found in full.
+        partial: number of blocks found only as segments.
+    """
+
+    ok: bool
+    violations: list[str] = field(default_factory=list)
+    full: int = 0
+    partial: int = 0
+
+    def __bool__(self) -> bool:
+        return self.ok
+
+
+def _prompt_text(messages: Sequence[Mapping[str, str]]) -> tuple[str, str]:
+    contents = [str(message.get("content", "")) for message in messages]
+    return "\n\n".join(contents), (contents[-1] if contents else "")
+
+
+def _check_block(block: Block, label: str, prompt: str, last: str) -> tuple[str | None, str | None]:
+    """Return (how the block is present: "full" / "partial" / None, a violation or None)."""
+    if f"[{label}]" not in last:
+        return None, f"block {block.id!r} ({label}) is not named in the last message"
+    if annotations.format_block(label, block.text) in prompt:
+        return "full", None
+    missing = [segment for segment in split_segments(block.text) if segment not in prompt]
+    if not missing:
+        return "partial", None
+    return None, f"block {block.id!r} ({label}) is lost: {len(missing)} segment(s) absent, e.g. {missing[0][:60]!r}"
+
+
+def check_no_loss(
+    blocks: Iterable[BlockLike], messages: Sequence[Mapping[str, str]], *, check_order: bool = True
+) -> NoLossReport:
+    """Check that every block is in the prompt (full or partial) and that the relevance order is recoverable.
+
+    Args:
+        blocks: the blocks the caller passed, best-ranked first (a repeated id keeps its first occurrence).
+        messages: the chat messages sent to the engine.
+        check_order: also check the order annotation (or the prompt order when there is none).
+
+    Returns:
+        A NoLossReport. Pure; never raises on a malformed prompt (that is a violation).
+    """
+    normalized = normalize_blocks(blocks)
+    prompt, last = _prompt_text(messages)
+    violations: list[str] = []
+    counts = {"full": 0, "partial": 0}
+    labels: list[str] = []
+    for block in normalized:
+        label = block.label
+        labels.append(label)
+        how, problem = _check_block(block, label, prompt, last)
+        if problem:
+            violations.append(problem)
+        elif how:
+            counts[how] += 1
+    if check_order and normalized:
+        problem = _check_order(labels, last)
+        if problem:
+            violations.append(problem)
+    return NoLossReport(not violations, violations, counts["full"], counts["partial"])
+
+
+def _check_order(labels: Sequence[str], last: str) -> str | None:
+    expected = list(dict.fromkeys(labels))
+    annotated = annotations.parse_order(last)
+    if annotated is not None:
+        if annotated == expected:
+            return None
+        return f"order annotation {annotated} does not match the relevance order {expected}"
+    found = annotations.appearance_order(last, frozenset(expected))
+    if found == expected:
+        return None
+    return f"prompt order {found} differs from the relevance order {expected} and there is no order annotation"

@@ -1,0 +1,371 @@
+"""The public API: ``CpMemory`` (sync) and ``AsyncCpMemory`` (asyncio).
+
+Both classes only do IO (the session store); every decision is made by the pure functions of
+``cpmemory.session.turns`` and the per-tenant indexes of ``cpmemory.session.index``.
+
+Online mode::
+
+    mem = CpMemory()
+    turn = mem.prepare("conversation-1", "Who wrote it?", [{"id": "doc-7", "text": "..."}])
+    answer = my_llm(turn.messages)
+    mem.commit(turn, answer)            # or mem.abort(turn) when the LLM call failed
+
+Offline mode: ``mem.plan_batch(list_of_block_lists)`` returns the execution order and each request's block ids in
+the reordered order (pass them back as ``prompt_order=`` to ``prepare``).
+
+Store failures (StoreUnavailableError, connection or timeout errors, any redis error) make ``prepare`` a degraded
+pass-through: relevance order, every block in full, nothing reserved; it is logged once per outage and counted.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from cpmemory.core.blocks import BlockLike, normalize_blocks
+from cpmemory.errors import InvalidInputError, StoreUnavailableError, UnknownReservationError
+from cpmemory.session.config import CpMemoryConfig
+from cpmemory.session.counters import FacadeCounters
+from cpmemory.session.index import TenantIndexes
+from cpmemory.session.turns import (
+    PreparedTurn,
+    TurnInput,
+    commit_record,
+    degraded_turn,
+    make_input,
+    plan_turn,
+    reserve_request,
+    turn_counts,
+)
+from cpmemory.stores.base import AsyncSessionStore, SessionStore
+from cpmemory.stores.memory import AsyncInMemorySessionStore, InMemorySessionStore
+
+logger = logging.getLogger(__name__)
+
+
+def is_store_failure(error: BaseException) -> bool:
+    """True for errors that mean "the store cannot be reached": ours, OS-level, or any redis-py error."""
+    if isinstance(error, (StoreUnavailableError, ConnectionError, TimeoutError, OSError)):
+        return True
+    return any(cls.__module__.split(".")[0] == "redis" for cls in type(error).__mro__)
+
+
+@dataclass(frozen=True, slots=True)
+class BatchPlan:
+    """Offline plan for a batch of requests.
+
+    Attributes:
+        order: execution order (indices into the requests).
+        contexts: each request's block ids, reordered (a permutation of its normalised ids).
+        request_ids: the index leaf of each request ("" for an empty request).
+    """
+
+    order: list[int]
+    contexts: list[list[str]]
+    request_ids: list[str]
+
+
+class _FacadeCore:
+    """State and logic shared by the sync and async facades (no store IO here)."""
+
+    def __init__(self, config: CpMemoryConfig | None) -> None:
+        if config is not None and not isinstance(config, CpMemoryConfig):
+            raise InvalidInputError("config must be a CpMemoryConfig")
+        self.config = config or CpMemoryConfig()
+        self.counters = FacadeCounters()
+        self._indexes = TenantIndexes(self.config.alpha, self.config.max_leaves_per_tenant)
+        self._pending: OrderedDict[str, tuple[float, PreparedTurn]] = OrderedDict()
+        self._pending_lock = threading.Lock()
+        self._outage = False
+
+    # -- prepare -------------------------------------------------------------------------------------------------
+    def _input(self, conversation_id: str, query: str, blocks: Iterable[BlockLike], **kwargs: Any) -> TurnInput:
+        return make_input(conversation_id, query, blocks, config=self.config, **kwargs)
+
+    def _planned(self, turn_input: TurnInput, reservation: Any) -> PreparedTurn:
+        if self._outage:
+            self._outage = False
+            logger.warning("session store reachable again; de-duplication resumed")
+        try:
+            turn = plan_turn(turn_input, reservation, self._indexes, self.config)
+        except Exception:  # an index bug must not lose the request: fall back to relevance order
+            logger.exception("context index failed; tenant index reset, request kept in relevance order")
+            self.counters.add(index_errors=1)
+            self._indexes.reset(turn_input.key.tenant)
+            turn = plan_turn(turn_input, reservation, _NoIndex(), self.config)
+        self._remember(turn)
+        self.counters.add(**turn_counts(turn, self.config.chars_per_token))
+        return turn
+
+    def _degraded(self, turn_input: TurnInput, error: BaseException) -> PreparedTurn:
+        if not self._outage:
+            self._outage = True
+            logger.warning("session store unavailable (%s); serving pass-through until it returns", error)
+        turn = degraded_turn(turn_input, self.config)
+        self.counters.add(fallbacks=1, **turn_counts(turn, self.config.chars_per_token))
+        return turn
+
+    # -- pending turns (commit/abort by reservation id) -----------------------------------------------------------
+    def _remember(self, turn: PreparedTurn) -> None:
+        now = time.monotonic()
+        horizon = now - self.config.reservation_timeout_s
+        with self._pending_lock:
+            self._pending[turn.reservation_id] = (now, turn)
+            while self._pending and (
+                len(self._pending) > self.config.max_pending_turns or next(iter(self._pending.values()))[0] < horizon
+            ):
+                self._pending.popitem(last=False)
+
+    def _resolve(self, turn_or_id: PreparedTurn | str) -> PreparedTurn:
+        if isinstance(turn_or_id, PreparedTurn):
+            return turn_or_id
+        if not isinstance(turn_or_id, str):
+            raise InvalidInputError("expected a PreparedTurn or a reservation id string")
+        with self._pending_lock:
+            entry = self._pending.get(turn_or_id)
+        if entry is None:
+            raise UnknownReservationError(f"unknown reservation {turn_or_id!r}")
+        return entry[1]
+
+    def _forget(self, turn: PreparedTurn) -> None:
+        with self._pending_lock:
+            self._pending.pop(turn.reservation_id, None)
+
+    def _after_abort(self, turn: PreparedTurn, released: bool) -> None:
+        self._forget(turn)
+        if turn.request_id:  # the engine never finished this request: its prefix is not cached for us
+            removed = self._indexes.evict(turn.tenant, [turn.request_id])
+            self.counters.add(index_evictions=removed)
+        self.counters.add(aborts=int(released))
+
+    # -- offline mode and index maintenance -----------------------------------------------------------------------
+    def plan_batch(self, requests: Sequence[Iterable[BlockLike]], *, tenant: str = "default") -> BatchPlan:
+        """Reorder and schedule a batch of requests and insert them in the tenant's index (mutates the index).
+
+        Args:
+            requests: each request's blocks, best-ranked first.
+            tenant: the tenant whose index receives the requests.
+
+        Returns:
+            The execution order, each request's reordered block ids and index request ids.
+        """
+        from cpmemory.session.batch import plan_contexts
+
+        if isinstance(requests, (str, bytes, Mapping)):
+            raise InvalidInputError("requests must be a list of block lists")
+        block_lists = [normalize_blocks(blocks) for blocks in requests]
+        order, id_lists = plan_contexts(block_lists, self.config.alpha)
+        request_ids: list[str] = []
+        for blocks, ids in zip(block_lists, id_lists):
+            request_ids.append(self._insert_planned(tenant, blocks, ids))
+        return BatchPlan(order=order, contexts=id_lists, request_ids=request_ids)
+
+    def _insert_planned(self, tenant: str, blocks: Sequence[Any], ids: Sequence[str]) -> str:
+        if not ids:
+            return ""
+        import uuid
+
+        digest_of = {block.id: block.content_hash for block in blocks}
+        request_id = uuid.uuid4().hex
+        self._indexes.insert(tenant, list(dict.fromkeys(digest_of[i] for i in ids)), request_id)
+        return request_id
+
+    def evict(self, request_ids: Iterable[str], *, tenant: str = "default") -> int:
+        """Remove the leaves of ``request_ids`` from the tenant's index (engine eviction sync). Returns how many."""
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        removed = self._indexes.evict(tenant, list(request_ids))
+        self.counters.add(index_evictions=removed)
+        return removed
+
+    def reset_index(self, tenant: str | None = None) -> None:
+        """Drop one tenant's index (or all of them): the engine's cache was flushed."""
+        self._indexes.reset(tenant)
+
+    def index_size(self, tenant: str = "default") -> int:
+        """Number of requests in the tenant's index."""
+        return self._indexes.size(tenant)
+
+
+class _NoIndex(TenantIndexes):
+    """Index stand-in used after an index failure: no prefix, nothing inserted."""
+
+    def __init__(self) -> None:
+        super().__init__(alpha=0.0, max_leaves=1)
+
+    def search(self, tenant: str, context: Sequence[Any]) -> tuple:
+        return ()
+
+    def insert(self, tenant: str, context: Sequence[Any], request_id: str) -> tuple[int, ...]:
+        return ()
+
+
+class CpMemory(_FacadeCore):
+    """Context reuse for one process (sync). Thread-safe.
+
+    Args:
+        store: a SessionStore; defaults to a new InMemorySessionStore.
+        config: tunables (CpMemoryConfig).
+    """
+
+    def __init__(self, store: SessionStore | None = None, config: CpMemoryConfig | None = None) -> None:
+        super().__init__(config)
+        self.store: SessionStore = store if store is not None else InMemorySessionStore(ttl_s=self.config.ttl_s)
+
+    def prepare(
+        self,
+        conversation_id: str,
+        query: str,
+        blocks: Iterable[BlockLike],
+        *,
+        history: Iterable[Mapping[str, Any]] | None = None,
+        tenant: str = "default",
+        system_prompt: str | None = None,
+        prompt_order: Iterable[Any] | None = None,
+    ) -> PreparedTurn:
+        """Prepare one turn: reserve, de-duplicate, reorder, annotate. One store round trip.
+
+        Args:
+            conversation_id: the conversation (any non-empty string up to 1,024 characters).
+            query: the user's question.
+            blocks: context blocks, best-ranked first (Block, {"id", "text"} or (id, text)); a repeated id keeps
+                its first occurrence.
+            history: messages to send before this turn; None uses the stored transcript. References are made only
+                to text present in the history sent.
+            tenant: the tenant (isolates state and index).
+            system_prompt: overrides the configured system prompt.
+            prompt_order: block ids fixing the order of the blocks shown in full (from plan_batch).
+
+        Returns:
+            The PreparedTurn (its ``messages`` go to the LLM). Raises InvalidInputError subclasses on bad input,
+            before anything is reserved.
+        """
+        turn_input = self._input(
+            conversation_id, query, blocks,
+            history=history, tenant=tenant, system_prompt=system_prompt, prompt_order=prompt_order,
+        )
+        try:
+            reservation = self.store.reserve(turn_input.key, reserve_request(turn_input, self.config))
+        except Exception as error:
+            if not is_store_failure(error):
+                raise
+            return self._degraded(turn_input, error)
+        return self._planned(turn_input, reservation)
+
+    def commit(self, turn_or_reservation_id: PreparedTurn | str, answer: str) -> int:
+        """Make the turn durable with the model's answer; returns the committed turn number (0 for degraded turns).
+
+        Raises:
+            UnknownReservationError, ReservationExpiredError: see the store contract.
+            StoreUnavailableError: the store failed; the turn is not recorded (later turns will not refer to it).
+        """
+        turn = self._resolve(turn_or_reservation_id)
+        record = commit_record(turn, answer)
+        if turn.degraded:
+            return 0
+        try:
+            number = self.store.commit(turn.key, turn.reservation_id, record)
+        except Exception as error:
+            if not is_store_failure(error) or isinstance(error, StoreUnavailableError):
+                self.counters.add(commit_failures=int(isinstance(error, StoreUnavailableError)))
+                raise
+            self.counters.add(commit_failures=1)
+            raise StoreUnavailableError(f"commit failed: {error}") from error
+        self._forget(turn)
+        self.counters.add(commits=1)
+        return number
+
+    def abort(self, turn_or_reservation_id: PreparedTurn | str) -> bool:
+        """Release the turn (its LLM call failed); False when already released, unknown or degraded."""
+        try:
+            turn = self._resolve(turn_or_reservation_id)
+        except UnknownReservationError:
+            return False
+        if turn.degraded:
+            return False
+        try:
+            released = self.store.abort(turn.key, turn.reservation_id)
+        except Exception as error:
+            if not is_store_failure(error):
+                raise
+            released = False  # the reservation times out by itself
+        self._after_abort(turn, released)
+        return released
+
+
+class AsyncCpMemory(_FacadeCore):
+    """Context reuse for asyncio applications: the same API as CpMemory, awaited.
+
+    Args:
+        store: an AsyncSessionStore; defaults to a new AsyncInMemorySessionStore.
+        config: tunables (CpMemoryConfig).
+    """
+
+    def __init__(self, store: AsyncSessionStore | None = None, config: CpMemoryConfig | None = None) -> None:
+        super().__init__(config)
+        self.store: AsyncSessionStore = (
+            store if store is not None else AsyncInMemorySessionStore(ttl_s=self.config.ttl_s)
+        )
+
+    async def prepare(
+        self,
+        conversation_id: str,
+        query: str,
+        blocks: Iterable[BlockLike],
+        *,
+        history: Iterable[Mapping[str, Any]] | None = None,
+        tenant: str = "default",
+        system_prompt: str | None = None,
+        prompt_order: Iterable[Any] | None = None,
+    ) -> PreparedTurn:
+        """See :meth:`CpMemory.prepare`."""
+        turn_input = self._input(
+            conversation_id, query, blocks,
+            history=history, tenant=tenant, system_prompt=system_prompt, prompt_order=prompt_order,
+        )
+        try:
+            reservation = await self.store.reserve(turn_input.key, reserve_request(turn_input, self.config))
+        except Exception as error:
+            if not is_store_failure(error):
+                raise
+            return self._degraded(turn_input, error)
+        return self._planned(turn_input, reservation)
+
+    async def commit(self, turn_or_reservation_id: PreparedTurn | str, answer: str) -> int:
+        """See :meth:`CpMemory.commit`."""
+        turn = self._resolve(turn_or_reservation_id)
+        record = commit_record(turn, answer)
+        if turn.degraded:
+            return 0
+        try:
+            number = await self.store.commit(turn.key, turn.reservation_id, record)
+        except Exception as error:
+            if not is_store_failure(error) or isinstance(error, StoreUnavailableError):
+                self.counters.add(commit_failures=int(isinstance(error, StoreUnavailableError)))
+                raise
+            self.counters.add(commit_failures=1)
+            raise StoreUnavailableError(f"commit failed: {error}") from error
+        self._forget(turn)
+        self.counters.add(commits=1)
+        return number
+
+    async def abort(self, turn_or_reservation_id: PreparedTurn | str) -> bool:
+        """See :meth:`CpMemory.abort`."""
+        try:
+            turn = self._resolve(turn_or_reservation_id)
+        except UnknownReservationError:
+            return False
+        if turn.degraded:
+            return False
+        try:
+            released = await self.store.abort(turn.key, turn.reservation_id)
+        except Exception as error:
+            if not is_store_failure(error):
+                raise
+            released = False
+        self._after_abort(turn, released)
+        return released

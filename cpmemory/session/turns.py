@@ -1,0 +1,355 @@
+"""The turn lifecycle as pure functions shared by the sync and async facades (they only add the store IO).
+
+prepare = ``make_input`` (validate, normalise) -> store.reserve(``reserve_request``) -> ``plan_turn`` (dedup, index
+placement, ordering, prompt) ; commit = store.commit(``commit_record``) ; a store failure -> ``degraded_turn``.
+"""
+from __future__ import annotations
+
+import uuid
+from collections.abc import Hashable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from cpmemory.core import annotations
+from cpmemory.core.blocks import Block, BlockLike, label_for_hash, normalize_blocks
+from cpmemory.core.dedup import (
+    CommittedHistory,
+    DedupDecision,
+    GivenHistory,
+    HistoryView,
+    SegmentIndex,
+    Status,
+    decide,
+)
+from cpmemory.errors import InvalidBlockError, InvalidInputError
+from cpmemory.session.config import CpMemoryConfig
+from cpmemory.session.index import TenantIndexes
+from cpmemory.stores.base import ConversationKey, Message, Reservation, ReserveRequest, SeenBlock, TurnRecord
+
+
+@dataclass(frozen=True, slots=True)
+class BlockDecision:
+    """What happened to one block of a prepared turn.
+
+    Attributes:
+        block_id: the caller's id (never shown to the model).
+        label: the block's label in the prompt.
+        status: "new", "referenced", "changed", "partial" or "resent" (see cpmemory.core.dedup).
+        original_rank: position in the caller's list (0 = most relevant), after dropping repeated ids.
+        prompt_position: position of the block's entry among the prompt's labelled entries (blocks, then
+            references); an in-request duplicate gets the position of the block it duplicates.
+        content_hash: the block's content hash.
+        saved_chars: characters not sent because of de-duplication.
+    """
+
+    block_id: str
+    label: str
+    status: Status
+    original_rank: int
+    prompt_position: int | None
+    content_hash: str = ""
+    saved_chars: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class PreparedTurn:
+    """A prepared (reserved, not yet committed) turn: what to send, and what was done to the blocks.
+
+    Attributes:
+        reservation_id: the store reservation ("" for a degraded turn).
+        tenant: tenant of the conversation.
+        conversation_id: the conversation.
+        turn: the number this turn gets if it is committed next (0 for a degraded turn).
+        request_id: id of this request's leaf in the tenant's context index ("" when nothing was inserted).
+        messages: the chat messages to send, [{"role", "content"}, ...].
+        decisions: one per block, in original rank order.
+        prompt_order: ids of the blocks sent in full, in prompt order.
+        search_path: the index search path of this request.
+        degraded: True when the store failed and the turn is a pass-through (commit/abort are no-ops).
+        order_annotated: True when the prompt carries an order annotation.
+        saved_chars: characters not sent because of de-duplication.
+        query: the question.
+    """
+
+    reservation_id: str
+    tenant: str
+    conversation_id: str
+    turn: int
+    request_id: str
+    messages: list[dict[str, str]]
+    decisions: list[BlockDecision]
+    prompt_order: list[str]
+    search_path: tuple[int, ...] = ()
+    degraded: bool = False
+    order_annotated: bool = False
+    saved_chars: int = 0
+    query: str = field(default="", repr=False)
+
+    @property
+    def key(self) -> ConversationKey:
+        """The conversation key of this turn."""
+        return ConversationKey(self.tenant, self.conversation_id)
+
+
+@dataclass(frozen=True, slots=True)
+class TurnInput:
+    """A validated prepare call."""
+
+    key: ConversationKey
+    query: str
+    blocks: tuple[Block, ...]
+    digests: tuple[str, ...]
+    history: tuple[Message, ...] | None
+    system_prompt: str
+    prompt_order: tuple[str, ...] | None
+
+
+def _check_history(history: Iterable[Mapping[str, Any]]) -> tuple[Message, ...]:
+    if isinstance(history, (str, bytes, Mapping)):
+        raise InvalidInputError("history must be a list of {'role', 'content'} messages")
+    out: list[Message] = []
+    for position, message in enumerate(history):
+        if not isinstance(message, Mapping):
+            raise InvalidInputError(f"history[{position}] is not a mapping")
+        role, content = message.get("role"), message.get("content")
+        if not isinstance(role, str) or not isinstance(content, str):
+            raise InvalidInputError(f"history[{position}] needs string 'role' and 'content'")
+        out.append({"role": role, "content": content})
+    return tuple(out)
+
+
+def _check_prompt_order(prompt_order: Iterable[Any], blocks: Sequence[Block]) -> tuple[str, ...]:
+    known = {block.id for block in blocks}
+    out: dict[str, None] = {}
+    for value in prompt_order:
+        if isinstance(value, int) and not isinstance(value, bool):
+            value = str(value)
+        if not isinstance(value, str) or value not in known:
+            raise InvalidInputError(f"prompt_order names a block that is not in the request: {value!r}")
+        out[value] = None
+    return tuple(out)
+
+
+def make_input(
+    conversation_id: str,
+    query: str,
+    blocks: Iterable[BlockLike],
+    *,
+    history: Iterable[Mapping[str, Any]] | None,
+    tenant: str,
+    system_prompt: str | None,
+    prompt_order: Iterable[Any] | None,
+    config: CpMemoryConfig,
+) -> TurnInput:
+    """Validate and normalise a prepare call (first of a repeated id wins). Pure; raises InvalidInputError subclasses."""
+    key = ConversationKey(tenant, conversation_id)
+    if not isinstance(query, str):
+        raise InvalidInputError(f"query must be a string, got {type(query).__name__}")
+    if system_prompt is not None and not isinstance(system_prompt, str):
+        raise InvalidInputError("system_prompt must be a string")
+    if blocks is None:
+        raise InvalidBlockError("blocks must be a list (use [] for none)")
+    normalized = tuple(normalize_blocks(blocks))
+    order = None if prompt_order is None else _check_prompt_order(prompt_order, normalized)
+    return TurnInput(
+        key=key,
+        query=query,
+        blocks=normalized,
+        digests=tuple(block.content_hash for block in normalized),
+        history=None if history is None else _check_history(history),
+        system_prompt=config.system_prompt if system_prompt is None else system_prompt,
+        prompt_order=order,
+    )
+
+
+def reserve_request(turn_input: TurnInput, config: CpMemoryConfig) -> ReserveRequest:
+    """Return what the store must read for this request."""
+    pairs = tuple((block.id, digest) for block, digest in zip(turn_input.blocks, turn_input.digests))
+    return ReserveRequest(pairs, config.reservation_timeout_s, include_transcript=turn_input.history is None)
+
+
+def sent_history(turn_input: TurnInput, reservation: Reservation | None) -> tuple[Message, ...]:
+    """Return the history this request sends: the given one, else the stored transcript."""
+    if turn_input.history is not None:
+        return turn_input.history
+    if reservation is None or reservation.transcript is None:
+        return ()
+    return tuple(reservation.transcript)
+
+
+def decide_blocks(
+    turn_input: TurnInput, reservation: Reservation, history: Sequence[Message], config: CpMemoryConfig
+) -> list[DedupDecision]:
+    """Run the dedup rules against the history this request sends. Pure."""
+    view: HistoryView
+    if turn_input.history is None:
+        view = CommittedHistory(reservation.seen)
+    else:
+        view = GivenHistory.from_messages(history)
+    kwargs = {"seen_hashes": reservation.seen, "previous_hash_for_id": reservation.previous_hash_for_id}
+    decisions = decide(turn_input.blocks, turn_input.digests, view, **kwargs)
+    wants_partial = config.partial_overlap and history and any(
+        d.status == "new" and b.text for d, b in zip(decisions, turn_input.blocks)
+    )
+    if wants_partial:
+        segments = SegmentIndex.from_messages(history)
+        if len(segments):
+            decisions = decide(
+                turn_input.blocks, turn_input.digests, view, segments=segments,
+                threshold=config.partial_overlap_threshold, **kwargs,
+            )
+    return decisions
+
+
+def shown_indices(decisions: Sequence[DedupDecision]) -> list[int]:
+    """Indices of the blocks written in the prompt (in full or in part), in relevance order."""
+    return [i for i, decision in enumerate(decisions) if decision.in_full or decision.status == "partial"]
+
+
+def arrange(
+    turn_input: TurnInput, shown: Sequence[int], prefix: Sequence[Hashable]
+) -> list[int]:
+    """Return the prompt order of the shown blocks: ``prompt_order`` when given, else index prefix first.
+
+    Blocks not named by the prefix (or by ``prompt_order``) follow in relevance order. Pure; O(k).
+    """
+    if turn_input.prompt_order is not None:
+        rank = {block_id: r for r, block_id in enumerate(turn_input.prompt_order)}
+        first = sorted((i for i in shown if turn_input.blocks[i].id in rank), key=lambda i: rank[turn_input.blocks[i].id])
+    else:
+        where = {digest: i for i in shown for digest in (turn_input.digests[i],)}
+        first = [where[key] for key in dict.fromkeys(prefix) if key in where]
+    placed = set(first)
+    return first + [i for i in shown if i not in placed]
+
+
+def render_user_message(
+    turn_input: TurnInput, decisions: Sequence[DedupDecision], order: Sequence[int], config: CpMemoryConfig
+) -> tuple[str, list[int | None], bool]:
+    """Write the user message. Returns (text, prompt position per block, whether the order was annotated). Pure."""
+    blocks, digests = turn_input.blocks, turn_input.digests
+    labels = [label_for_hash(digest) for digest in digests]
+    positions: list[int | None] = [None] * len(blocks)
+    sections: list[str] = []
+    for position, i in enumerate(order):
+        decision = decisions[i]
+        positions[i] = position
+        if decision.status == "partial":
+            sections.append(annotations.format_partial(labels[i], decision.new_segments, decision.holder_labels))
+        else:
+            sections.append(annotations.format_block(labels[i], blocks[i].text))
+    references: list[str] = []
+    for i, decision in enumerate(decisions):
+        if decision.status == "referenced" and decision.duplicate_of is None:
+            positions[i] = len(order) + len(references)
+            references.append(labels[i])
+    for i, decision in enumerate(decisions):
+        if decision.duplicate_of is not None:
+            positions[i] = positions[decision.duplicate_of]
+    relevance = list(dict.fromkeys(labels))
+    appearance = list(dict.fromkeys([labels[i] for i in order] + references))
+    annotate = config.annotate_order and appearance != relevance
+    text = annotations.build_user_message(sections, references, relevance if annotate else None, turn_input.query)
+    return text, positions, annotate
+
+
+def assemble_messages(system_prompt: str, history: Sequence[Message], user: str) -> list[dict[str, str]]:
+    """System prompt (unless the history starts with one), the history unchanged, then the user message."""
+    messages: list[dict[str, str]] = []
+    if not (history and history[0]["role"] == "system"):
+        messages.append({"role": "system", "content": system_prompt})
+    messages.extend({"role": m["role"], "content": m["content"]} for m in history)
+    messages.append({"role": "user", "content": user})
+    return messages
+
+
+def plan_turn(
+    turn_input: TurnInput, reservation: Reservation, indexes: TenantIndexes, config: CpMemoryConfig
+) -> PreparedTurn:
+    """Decide dedup, place the request in the tenant's index, order and write the prompt (mutates the index only)."""
+    history = sent_history(turn_input, reservation)
+    decisions = decide_blocks(turn_input, reservation, history, config)
+    shown = shown_indices(decisions)
+    tenant = turn_input.key.tenant
+    context = list(dict.fromkeys(turn_input.digests[i] for i in shown))
+    prefix = () if turn_input.prompt_order is not None else indexes.search(tenant, context)
+    order = arrange(turn_input, shown, prefix)
+    request_id = uuid.uuid4().hex if order else ""
+    ordered_context = list(dict.fromkeys(turn_input.digests[i] for i in order))
+    path = indexes.insert(tenant, ordered_context, request_id) if order else ()
+    text, positions, annotated = render_user_message(turn_input, decisions, order, config)
+    return PreparedTurn(
+        reservation_id=reservation.reservation_id,
+        tenant=tenant,
+        conversation_id=turn_input.key.conversation,
+        turn=reservation.turn + 1,
+        request_id=request_id,
+        messages=assemble_messages(turn_input.system_prompt, history, text),
+        decisions=_block_decisions(turn_input, decisions, positions),
+        prompt_order=[turn_input.blocks[i].id for i in order if decisions[i].in_full],
+        search_path=path,
+        order_annotated=annotated,
+        saved_chars=sum(decision.saved_chars for decision in decisions),
+        query=turn_input.query,
+    )
+
+
+def _block_decisions(
+    turn_input: TurnInput, decisions: Sequence[DedupDecision], positions: Sequence[int | None]
+) -> list[BlockDecision]:
+    return [
+        BlockDecision(block.id, label_for_hash(digest), decision.status, rank, position, digest, decision.saved_chars)
+        for rank, (block, digest, decision, position) in enumerate(
+            zip(turn_input.blocks, turn_input.digests, decisions, positions)
+        )
+    ]
+
+
+def degraded_turn(turn_input: TurnInput, config: CpMemoryConfig) -> PreparedTurn:
+    """Pass-through when the store failed: relevance order, every block in full, nothing reserved or indexed."""
+    decisions = [DedupDecision("new") for _ in turn_input.blocks]
+    order = list(range(len(turn_input.blocks)))
+    text, positions, _ = render_user_message(turn_input, decisions, order, config)
+    history = turn_input.history or ()
+    return PreparedTurn(
+        reservation_id="",
+        tenant=turn_input.key.tenant,
+        conversation_id=turn_input.key.conversation,
+        turn=0,
+        request_id="",
+        messages=assemble_messages(turn_input.system_prompt, history, text),
+        decisions=_block_decisions(turn_input, decisions, positions),
+        prompt_order=[block.id for block in turn_input.blocks],
+        degraded=True,
+        query=turn_input.query,
+    )
+
+
+def commit_record(turn: PreparedTurn, answer: str) -> TurnRecord:
+    """Return what commit makes durable: the user message as sent, the answer, and the blocks shown in full."""
+    if not isinstance(answer, str):
+        raise InvalidInputError(f"answer must be a string, got {type(answer).__name__}")
+    user = turn.messages[-1]
+    shown = tuple(
+        SeenBlock(d.block_id, d.content_hash, d.label, turn.turn)
+        for d in turn.decisions
+        if d.status in ("new", "changed", "resent")
+    )
+    messages = ({"role": user["role"], "content": user["content"]}, {"role": "assistant", "content": answer})
+    return TurnRecord(messages=messages, shown=shown, search_path=turn.search_path)
+
+
+def turn_counts(turn: PreparedTurn, chars_per_token: float) -> dict[str, int]:
+    """Counter increments for one prepared turn."""
+    statuses = [decision.status for decision in turn.decisions]
+    return {
+        "prepares": 1,
+        "blocks": len(statuses),
+        "blocks_referenced": statuses.count("referenced"),
+        "blocks_partial": statuses.count("partial"),
+        "blocks_changed": statuses.count("changed"),
+        "blocks_resent": statuses.count("resent"),
+        "order_annotations": int(turn.order_annotated),
+        "dedup_chars_saved": turn.saved_chars,
+        "dedup_tokens_saved": int(turn.saved_chars / chars_per_token),
+    }

@@ -1,0 +1,208 @@
+"""In-memory session stores: the embedded default (one process), same contract as the Redis store.
+
+``InMemorySessionStore`` keeps every conversation in a dict behind one lock; each call is one critical section, so
+reserve and commit are atomic exactly like the Redis scripts. ``AsyncInMemorySessionStore`` wraps it (the critical
+sections are short and never wait on IO, so the event loop is not blocked in any meaningful way).
+
+Time comes from an injectable monotonic clock (tests move it by hand). Expired conversations are dropped lazily
+when touched and by a sweep every ``SWEEP_EVERY`` calls, so memory stays bounded by the live conversations.
+"""
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from cpmemory.errors import InvalidInputError, ReservationExpiredError, UnknownReservationError
+from cpmemory.stores.base import (
+    ConversationKey,
+    ConversationState,
+    Message,
+    Reservation,
+    ReserveRequest,
+    SeenBlock,
+    TurnRecord,
+)
+
+SWEEP_EVERY = 1024
+MAX_FINISHED_MARKERS = 1024
+
+Clock = Callable[[], float]
+
+
+@dataclass(slots=True)
+class _Conversation:
+    """Mutable state of one conversation (only touched under the store lock)."""
+
+    expires_at: float
+    turns: int = 0
+    seen: dict[str, SeenBlock] = field(default_factory=dict)
+    ids: dict[str, str] = field(default_factory=dict)
+    transcript: list[Message] = field(default_factory=list)
+    search_paths: list[tuple[int, ...]] = field(default_factory=list)
+    reservations: dict[str, float] = field(default_factory=dict)  # id -> deadline
+    committed: OrderedDict[str, int] = field(default_factory=OrderedDict)  # id -> turn (double commit)
+    expired: OrderedDict[str, None] = field(default_factory=OrderedDict)  # ids that timed out
+
+    def purge_reservations(self, now: float) -> None:
+        for reservation_id, deadline in list(self.reservations.items()):
+            if deadline < now:
+                del self.reservations[reservation_id]
+                _remember(self.expired, reservation_id, None)
+
+
+def _remember(markers: OrderedDict, key: str, value: object) -> None:
+    markers[key] = value
+    while len(markers) > MAX_FINISHED_MARKERS:
+        markers.popitem(last=False)
+
+
+class InMemorySessionStore:
+    """Thread-safe in-memory SessionStore (see cpmemory.stores.base for the contract).
+
+    Args:
+        ttl_s: seconds a conversation lives after its last use; None keeps it forever.
+        clock: monotonic time source in seconds (injectable for tests).
+    """
+
+    def __init__(self, ttl_s: float | None = 24 * 3600.0, clock: Clock = time.monotonic) -> None:
+        if ttl_s is not None and ttl_s <= 0:
+            raise InvalidInputError(f"ttl_s must be positive or None, got {ttl_s!r}")
+        self._ttl_s = ttl_s
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._conversations: dict[ConversationKey, _Conversation] = {}
+        self._calls = 0
+
+    def __len__(self) -> int:
+        """Number of live conversations (expired ones may linger until the next sweep)."""
+        return len(self._conversations)
+
+    def _deadline(self, now: float) -> float:
+        return float("inf") if self._ttl_s is None else now + self._ttl_s
+
+    def _get(self, key: ConversationKey, now: float, create: bool) -> _Conversation | None:
+        """Return the live conversation (refreshing its TTL), creating it when asked. Call under the lock."""
+        self._calls += 1
+        if self._calls % SWEEP_EVERY == 0:
+            self._sweep(now)
+        conversation = self._conversations.get(key)
+        if conversation is not None and conversation.expires_at < now:
+            del self._conversations[key]
+            conversation = None
+        if conversation is None and create:
+            conversation = self._conversations[key] = _Conversation(expires_at=now)
+        if conversation is not None:
+            conversation.expires_at = self._deadline(now)
+            conversation.purge_reservations(now)
+        return conversation
+
+    def _sweep(self, now: float) -> None:
+        for key in [key for key, state in self._conversations.items() if state.expires_at < now]:
+            del self._conversations[key]
+
+    def reserve(self, key: ConversationKey, request: ReserveRequest) -> Reservation:
+        """Read the committed state this request needs and record a reservation, atomically. O(k + transcript)."""
+        reservation_id = uuid.uuid4().hex
+        with self._lock:
+            now = self._clock()
+            conversation = self._get(key, now, create=True)
+            assert conversation is not None
+            conversation.reservations[reservation_id] = now + request.reservation_timeout_s
+            seen = {h: conversation.seen[h] for _, h in request.blocks if h in conversation.seen}
+            previous = {i: conversation.ids[i] for i, _ in request.blocks if i in conversation.ids}
+            transcript = tuple(conversation.transcript) if request.include_transcript else None
+            last_path = conversation.search_paths[-1] if conversation.search_paths else ()
+            return Reservation(reservation_id, conversation.turns, seen, previous, transcript, last_path)
+
+    def commit(self, key: ConversationKey, reservation_id: str, record: TurnRecord) -> int:
+        """Make a reserved turn durable exactly once and return its turn number (>= 1).
+
+        Raises:
+            UnknownReservationError: the reservation was never made, was aborted, or its conversation expired.
+            ReservationExpiredError: the reservation timed out before this commit (nothing is recorded).
+        """
+        with self._lock:
+            now = self._clock()
+            conversation = self._get(key, now, create=False)
+            if conversation is None:
+                raise UnknownReservationError(f"unknown reservation {reservation_id!r}")
+            if reservation_id in conversation.committed:
+                return conversation.committed[reservation_id]
+            if reservation_id in conversation.expired:
+                raise ReservationExpiredError(f"reservation {reservation_id!r} timed out before commit")
+            if conversation.reservations.pop(reservation_id, None) is None:
+                raise UnknownReservationError(f"unknown reservation {reservation_id!r}")
+            return _apply(conversation, reservation_id, record)
+
+    def abort(self, key: ConversationKey, reservation_id: str) -> bool:
+        """Release an open reservation; False when it is unknown (idempotent)."""
+        with self._lock:
+            conversation = self._get(key, self._clock(), create=False)
+            if conversation is None:
+                return False
+            return conversation.reservations.pop(reservation_id, None) is not None
+
+    def load(self, key: ConversationKey) -> ConversationState:
+        """Return a copy of the conversation's full state (empty when unknown or expired)."""
+        with self._lock:
+            conversation = self._get(key, self._clock(), create=False)
+            if conversation is None:
+                return ConversationState()
+            return ConversationState(
+                turns=conversation.turns,
+                seen=dict(conversation.seen),
+                ids=dict(conversation.ids),
+                transcript=tuple(conversation.transcript),
+                search_paths=tuple(conversation.search_paths),
+                open_reservations=len(conversation.reservations),
+            )
+
+    def delete(self, key: ConversationKey) -> None:
+        """Forget the conversation (open reservations become unknown)."""
+        with self._lock:
+            self._conversations.pop(key, None)
+
+
+def _apply(conversation: _Conversation, reservation_id: str, record: TurnRecord) -> int:
+    """Append ``record`` as the next turn. Call under the store lock."""
+    conversation.turns += 1
+    turn = conversation.turns
+    conversation.transcript.extend({"role": m["role"], "content": m["content"]} for m in record.messages)
+    for shown in record.shown:
+        conversation.seen[shown.content_hash] = SeenBlock(shown.block_id, shown.content_hash, shown.label, turn)
+        conversation.ids[shown.block_id] = shown.content_hash
+    conversation.search_paths.append(tuple(record.search_path))
+    _remember(conversation.committed, reservation_id, turn)
+    return turn
+
+
+class AsyncInMemorySessionStore:
+    """Asyncio face of :class:`InMemorySessionStore` (same contract, awaited; shares the same state when given one)."""
+
+    def __init__(self, ttl_s: float | None = 24 * 3600.0, clock: Clock = time.monotonic,
+                 *, store: InMemorySessionStore | None = None) -> None:
+        self.sync = store if store is not None else InMemorySessionStore(ttl_s=ttl_s, clock=clock)
+
+    async def reserve(self, key: ConversationKey, request: ReserveRequest) -> Reservation:
+        """See :meth:`InMemorySessionStore.reserve`."""
+        return self.sync.reserve(key, request)
+
+    async def commit(self, key: ConversationKey, reservation_id: str, record: TurnRecord) -> int:
+        """See :meth:`InMemorySessionStore.commit`."""
+        return self.sync.commit(key, reservation_id, record)
+
+    async def abort(self, key: ConversationKey, reservation_id: str) -> bool:
+        """See :meth:`InMemorySessionStore.abort`."""
+        return self.sync.abort(key, reservation_id)
+
+    async def load(self, key: ConversationKey) -> ConversationState:
+        """See :meth:`InMemorySessionStore.load`."""
+        return self.sync.load(key)
+
+    async def delete(self, key: ConversationKey) -> None:
+        """See :meth:`InMemorySessionStore.delete`."""
+        self.sync.delete(key)
