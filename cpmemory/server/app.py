@@ -1,0 +1,285 @@
+"""The OpenAI-compatible proxy (FastAPI app factory). Needs the ``server`` extra.
+
+Endpoints:
+  * ``POST /v1/chat/completions`` - OpenAI chat completions, streaming or not. With the ``cpmemory`` extension field
+    (or the ``X-Cpmemory-Conversation`` header) the call becomes a cpmemory turn (dedup, reorder, annotate, commit);
+    without it the request passes through to a replica chosen by prefix affinity.
+  * ``POST /v1/cpmemory/evictions`` - request ids an engine evicted; their index leaves are removed (caller's tenant).
+  * ``GET /metrics`` (Prometheus), ``GET /healthz``.
+
+Errors produced by the proxy itself always have the body ``{"error": {"type", "code", "message", "details"?}}``:
+400 bad input, 401 unknown API key, 422 malformed JSON / schema, 502 engine failure, 503 no healthy replica.
+A rejected request changes no stored state.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from cpmemory.errors import (
+    EngineError,
+    InvalidInputError,
+    MissingDependencyError,
+    NoHealthyReplicaError,
+)
+from cpmemory.routing.dispatch import Dispatcher
+from cpmemory.routing.router import Router, RouterConfig
+from cpmemory.routing.transport import ChatTransport, EngineHTTPError, HttpxChatTransport
+from cpmemory.server.metrics import ProxyMetrics
+from cpmemory.server.schemas import (
+    ChatCompletionRequest,
+    ErrorBody,
+    EvictionReport,
+    EvictionResult,
+    HealthOut,
+    ReplicaHealth,
+)
+from cpmemory.server.service import ProxyService, TurnMemory, turn_input
+
+DEFAULT_TENANT = "default"
+
+
+class ServerConfig(BaseModel):
+    """Configuration of one proxy.
+
+    Attributes:
+        engines: base URLs of the engine replicas (OpenAI-compatible, e.g. vLLM).
+        redis_url: session store; None keeps state in process memory (lost on restart).
+        redis_prefix: key prefix in Redis (one per deployment).
+        api_keys: API key -> tenant. Empty: every caller is the single tenant ``default``.
+        cache_salt_secret: key of the hash that derives each tenant's vLLM ``cache_salt``.
+        engine_timeout_s: per-call engine timeout; past it the replica is marked down and the call fails over.
+        router: routing thresholds.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    engines: list[str] = Field(min_length=1)
+    redis_url: str | None = None
+    redis_prefix: str = "cpm"
+    redis_socket_timeout_s: float = Field(default=1.0, gt=0)
+    api_keys: dict[str, str] = Field(default_factory=dict)
+    cache_salt_secret: str = "cpmemory"
+    engine_timeout_s: float = Field(default=120.0, gt=0)
+    router: RouterConfig = Field(default_factory=RouterConfig)
+
+
+def error_response(status: int, error_type: str, code: str, message: str, details: Any = None) -> Any:
+    """A JSONResponse with the proxy's typed error body."""
+    from fastapi.responses import JSONResponse
+
+    body = ErrorBody.model_validate({"error": {"type": error_type, "code": code, "message": message,
+                                               "details": details}})
+    return JSONResponse(body.model_dump(exclude_none=True), status_code=status)
+
+
+def _safe_details(errors: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    # pydantic error dicts may hold the offending input or exception objects: keep only printable fields.
+    return [{"loc": [str(part) for part in error.get("loc", ())], "msg": str(error.get("msg", "")),
+             "type": str(error.get("type", ""))} for error in errors[:20]]
+
+
+def build_memory(config: ServerConfig) -> TurnMemory:
+    """Create the facade the config asks for (in-memory, or Redis-backed)."""
+    from cpmemory.facade import AsyncCpMemory
+
+    if config.redis_url is None:
+        from cpmemory.stores.memory import AsyncInMemorySessionStore
+
+        return AsyncCpMemory(store=AsyncInMemorySessionStore())
+    from cpmemory.stores.redis_store import AsyncRedisSessionStore, RedisStoreConfig
+
+    store_config = RedisStoreConfig(prefix=config.redis_prefix, socket_timeout_s=config.redis_socket_timeout_s,
+                                    connect_timeout_s=config.redis_socket_timeout_s)
+    return AsyncCpMemory(store=AsyncRedisSessionStore.from_url(config.redis_url, store_config))
+
+
+class _TenantResolver:
+    """API key -> tenant. Keys are kept only as SHA-256 digests."""
+
+    def __init__(self, api_keys: dict[str, str]) -> None:
+        self._tenants = {hashlib.sha256(key.encode()).hexdigest(): tenant for key, tenant in api_keys.items()}
+
+    def __call__(self, authorization: str | None) -> str | None:
+        if not self._tenants:
+            return DEFAULT_TENANT
+        if not authorization or not authorization.lower().startswith("bearer "):
+            return None
+        token = authorization[7:].strip()
+        return self._tenants.get(hashlib.sha256(token.encode("utf-8", "surrogatepass")).hexdigest())
+
+
+def create_app(
+    config: ServerConfig, *, memory: TurnMemory | None = None, transport: ChatTransport | None = None
+) -> Any:
+    """Build the FastAPI app. No IO until it serves; the probe loop starts with the app's lifespan.
+
+    Args:
+        config: engines, store and tenants.
+        memory: an ``AsyncCpMemory`` (default: built from the config).
+        transport: how engine calls are made (default: httpx); tests pass one over an in-process engine.
+    """
+    try:
+        from fastapi import FastAPI
+    except ImportError as error:  # pragma: no cover - depends on the environment
+        raise MissingDependencyError("server", "fastapi") from error
+    metrics = ProxyMetrics(len(config.engines))
+    router = Router(config.engines, config.router)
+    dispatcher = Dispatcher(router, transport or HttpxChatTransport(), timeout_s=config.engine_timeout_s)
+    service = ProxyService(memory or build_memory(config), dispatcher, metrics, config.cache_salt_secret)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: Any) -> AsyncIterator[None]:
+        stop = asyncio.Event()
+        probe = asyncio.create_task(dispatcher.probe_forever(stop))
+        try:
+            yield
+        finally:
+            stop.set()
+            await probe
+            await dispatcher.transport.aclose()
+            await _close_store(service.memory)
+
+    app = FastAPI(title="cpmemory proxy", version="0.1.0", lifespan=lifespan)
+    app.state.service = service
+    _install_error_handlers(app)
+    _install_routes(app, service, _TenantResolver(config.api_keys))
+    return app
+
+
+async def _close_store(memory: Any) -> None:
+    store = getattr(memory, "store", None)
+    closer = getattr(store, "close", None) or getattr(store, "aclose", None)
+    if closer is None:
+        return
+    with contextlib.suppress(Exception):
+        result = closer()
+        if asyncio.iscoroutine(result):
+            await result
+
+
+def _install_error_handlers(app: Any) -> None:
+    from fastapi.exceptions import RequestValidationError
+    from starlette.exceptions import HTTPException
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Any, error: RequestValidationError) -> Any:
+        return error_response(422, "invalid_request_error", "validation_error", "the request does not match the "
+                              "schema", _safe_details(list(error.errors())))
+
+    @app.exception_handler(HTTPException)
+    async def _http(_: Any, error: HTTPException) -> Any:
+        return error_response(error.status_code, "invalid_request_error", f"http_{error.status_code}",
+                              str(error.detail))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Any, error: Exception) -> Any:  # pragma: no cover - a bug; still a typed body
+        return error_response(500, "internal_error", "internal_error", type(error).__name__)
+
+
+ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    code: {"model": ErrorBody} for code in (400, 401, 422, 502, 503)
+}
+
+
+def _engine_error(error: EngineError) -> Any:
+    if isinstance(error, NoHealthyReplicaError):
+        return error_response(503, "engine_error", "no_healthy_replica", str(error))
+    if isinstance(error, EngineHTTPError) and 400 <= error.status_code < 500:
+        return _relay_engine_client_error(error)
+    return error_response(502, "engine_error", "engine_failed", str(error))
+
+
+def _relay_engine_client_error(error: EngineHTTPError) -> Any:
+    from fastapi.responses import JSONResponse
+
+    try:
+        body = json.loads(error.body)
+    except ValueError:
+        body = None
+    if isinstance(body, dict):
+        return JSONResponse(body, status_code=error.status_code)
+    return error_response(error.status_code, "engine_error", "engine_rejected", error.body[:500].decode(
+        "utf-8", "replace"))
+
+
+def _install_routes(app: Any, service: ProxyService, resolve_tenant: _TenantResolver) -> None:
+    from fastapi import Header
+    from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+    def unauthorized() -> Any:
+        return error_response(401, "authentication_error", "invalid_api_key", "unknown or missing API key")
+
+    @app.post("/v1/chat/completions", responses=ERROR_RESPONSES)
+    async def chat_completions(
+        request: ChatCompletionRequest,
+        authorization: str | None = Header(default=None),
+        x_cpmemory_conversation: str | None = Header(default=None, max_length=1024),
+    ) -> Any:
+        started = time.perf_counter()
+        tenant = resolve_tenant(authorization)
+        if tenant is None:
+            return unauthorized()
+        try:
+            if request.cpmemory is None and x_cpmemory_conversation is None:
+                return await _plain(service, request, tenant, started)
+            turn = turn_input(request, x_cpmemory_conversation)
+            prepared = await service.prepare(tenant, turn)
+        except InvalidInputError as error:
+            return error_response(400, "invalid_request_error", "invalid_input", str(error))
+        except EngineError as error:
+            return _engine_error(error)
+        try:
+            if request.stream:
+                opened = await service.open_turn_stream(request, tenant, turn, prepared)
+                headers = {"X-Cpmemory-Request-Id": prepared.request_id,
+                           "X-Cpmemory-Replica": str(opened.decision.index)}
+                overhead = time.perf_counter() - started - opened.engine_seconds
+                return StreamingResponse(service.relay_stream(opened, prepared, overhead),
+                                         media_type="text/event-stream", headers=headers)
+            outcome = await service.run_turn(request, tenant, turn, prepared, started)
+        except EngineError as error:
+            return _engine_error(error)
+        return JSONResponse(outcome.body)
+
+    @app.post("/v1/cpmemory/evictions", response_model=EvictionResult, responses=ERROR_RESPONSES)
+    async def evictions(report: EvictionReport, authorization: str | None = Header(default=None)) -> Any:
+        tenant = resolve_tenant(authorization)
+        if tenant is None:
+            return unauthorized()
+        removed = await service.memory.evict(list(report.request_ids), tenant=tenant)
+        service.metrics.evictions.inc(removed)
+        return EvictionResult(evicted=removed)
+
+    @app.get("/healthz", response_model=HealthOut, responses={503: {"model": HealthOut}})
+    async def healthz() -> Any:
+        replicas = [ReplicaHealth(index=s.index, healthy=s.healthy, in_flight=s.in_flight)
+                    for s in service.dispatcher.router.status()]
+        healthy = sum(1 for replica in replicas if replica.healthy)
+        status = "ok" if healthy == len(replicas) else ("degraded" if healthy else "down")
+        body = HealthOut(status=status, replicas=replicas).model_dump()
+        return JSONResponse(body, status_code=200 if healthy else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Any:
+        body, content_type = service.metrics.render()
+        return Response(body, media_type=content_type)
+
+
+async def _plain(service: ProxyService, request: ChatCompletionRequest, tenant: str, started: float) -> Any:
+    from fastapi.responses import JSONResponse, StreamingResponse
+
+    if request.stream:
+        opened = await service.open_pass_through_stream(request, tenant)
+        overhead = time.perf_counter() - started - opened.engine_seconds
+        return StreamingResponse(service.relay_stream(opened, None, overhead), media_type="text/event-stream")
+    result = await service.pass_through(request, tenant)
+    service.metrics.overhead.observe(max(0.0, time.perf_counter() - started - result.engine_seconds))
+    return JSONResponse(result.response)

@@ -1,0 +1,61 @@
+"""Prometheus metrics of the proxy, in a registry owned by one app (no process-global state).
+
+Label values come from small fixed sets (replica index, outcome, fallback kind, block status), never from caller
+input, so the number of series is bounded whatever the traffic.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from cpmemory.errors import MissingDependencyError
+
+OVERHEAD_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
+BLOCK_STATUSES = ("new", "referenced", "changed", "partial", "resent")
+
+
+class ProxyMetrics:
+    """Counters and histograms of one proxy app."""
+
+    def __init__(self, replica_count: int) -> None:
+        """Create the metrics in a fresh registry. No IO."""
+        try:
+            from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+        except ImportError as error:  # pragma: no cover - depends on the environment
+            raise MissingDependencyError("server", "prometheus-client") from error
+        self.registry: Any = CollectorRegistry()
+        registry = self.registry
+        self.requests = Counter(
+            "cpmemory_requests", "Chat requests by replica and outcome", ["replica", "outcome"], registry=registry
+        )
+        self.cached_tokens = Counter(
+            "cpmemory_engine_cached_tokens", "Prompt tokens the engine reported as cached", registry=registry
+        )
+        self.prompt_tokens = Counter(
+            "cpmemory_engine_prompt_tokens", "Prompt tokens the engine reported", registry=registry
+        )
+        self.tokens_deduplicated = Counter(
+            "cpmemory_tokens_deduplicated", "Block tokens replaced by a reference (estimated)", registry=registry
+        )
+        self.blocks = Counter("cpmemory_blocks", "Blocks by dedup decision", ["status"], registry=registry)
+        self.overhead = Histogram(
+            "cpmemory_middleware_overhead_seconds", "Proxy time outside engine calls", buckets=OVERHEAD_BUCKETS,
+            registry=registry,
+        )
+        self.fallbacks = Counter(
+            "cpmemory_fallbacks", "Degraded paths: store (pass-through), engine (failover), load (rebalanced)",
+            ["kind"], registry=registry,
+        )
+        self.healthy_replicas = Gauge("cpmemory_healthy_replicas", "Replicas in rotation", registry=registry)
+        self.healthy_replicas.set(replica_count)
+        self.evictions = Counter("cpmemory_evicted_leaves", "Index leaves removed by reports", registry=registry)
+
+    def observe_blocks(self, statuses: list[str]) -> None:
+        """Count one request's block decisions."""
+        for status in statuses:
+            self.blocks.labels(status=status if status in BLOCK_STATUSES else "other").inc()
+
+    def render(self) -> tuple[bytes, str]:
+        """Return the exposition body and its content type."""
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

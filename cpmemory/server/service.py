@@ -1,0 +1,291 @@
+"""The proxy's request logic, independent of FastAPI: turn a chat request into a cpmemory turn and route it.
+
+Flow of a request carrying the ``cpmemory`` extension (or the ``X-Cpmemory-Conversation`` header)::
+
+    prepare (facade: dedup, reorder, annotate)  ->  dispatch to the conversation's replica (failover)
+        -> success: commit the answer          -> failure: abort (the stored state is unchanged)
+
+Without the extension the request is passed through to a replica chosen by a prefix-affinity key. Every request
+to an engine carries a request id and the tenant's ``cache_salt`` (a client-sent salt is replaced, so a tenant can
+never share prefix-cache entries with another).
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from cpmemory.core.blocks import Block, normalize_blocks
+from cpmemory.errors import EngineError, InvalidInputError, ReservationError, StoreUnavailableError
+from cpmemory.routing.chain_of_agents import completion_text, usage_tokens
+from cpmemory.routing.dispatch import Dispatcher, DispatchResult, StreamDispatch
+from cpmemory.routing.router import conversation_affinity_key
+from cpmemory.server.metrics import ProxyMetrics
+from cpmemory.server.schemas import ChatCompletionRequest, ChatMessage
+from cpmemory.server.sse import SseCollector
+
+logger = logging.getLogger(__name__)
+
+
+class TurnMemory(Protocol):
+    """What the proxy needs from ``cpmemory.facade.AsyncCpMemory``."""
+
+    async def prepare(self, conversation_id: str, query: str, blocks: Sequence[Block], **options: Any) -> Any: ...
+
+    async def commit(self, turn_or_reservation_id: Any, answer: str) -> int: ...
+
+    async def abort(self, turn_or_reservation_id: Any) -> bool: ...
+
+    async def evict(self, request_ids: Sequence[str], **options: Any) -> int: ...
+
+
+@dataclass(frozen=True, slots=True)
+class TurnInput:
+    """What the facade's ``prepare`` receives, derived from the chat request."""
+
+    conversation_id: str
+    query: str
+    blocks: tuple[Block, ...]
+    system_prompt: str | None
+    history: tuple[dict[str, str], ...] | None
+
+
+@dataclass(frozen=True, slots=True)
+class TurnOutcome:
+    """A finished non-streaming turn: the engine's JSON plus the ``cpmemory`` info."""
+
+    body: dict[str, Any]
+
+
+def message_text(message: ChatMessage) -> str:
+    """Return a message's text; list content must be text parts only (InvalidInputError otherwise)."""
+    content = message.content
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    texts: list[str] = []
+    for part in content:
+        if part.get("type") != "text" or not isinstance(part.get("text"), str):
+            raise InvalidInputError("cpmemory turns accept text content only")
+        texts.append(part["text"])
+    return "".join(texts)
+
+
+def turn_input(request: ChatCompletionRequest, header_conversation: str | None) -> TurnInput:
+    """Split a chat request into system prompt, history and query for ``prepare``. Pure.
+
+    Leading system messages form the system prompt; the last user message is the query unless the extension gives
+    one; the messages in between are the client's own history (None when there is none: the stored transcript is
+    used).
+
+    Raises:
+        InvalidInputError: no conversation id, no query, or non-text content.
+    """
+    extension = request.cpmemory
+    conversation_id = (extension.conversation_id if extension else None) or header_conversation
+    if not conversation_id:
+        raise InvalidInputError("a cpmemory turn needs cpmemory.conversation_id or X-Cpmemory-Conversation")
+    messages = list(request.messages)
+    system_parts: list[str] = []
+    while messages and messages[0].role == "system":
+        system_parts.append(message_text(messages.pop(0)))
+    query = extension.query if extension else None
+    if messages and messages[-1].role == "user":
+        last = message_text(messages.pop())
+        query = query if query is not None else last
+    if query is None:
+        raise InvalidInputError("a cpmemory turn needs a final user message or cpmemory.query")
+    history = tuple({"role": m.role, "content": message_text(m)} for m in messages)
+    blocks = normalize_blocks(block.model_dump() for block in extension.blocks) if extension else []
+    return TurnInput(
+        conversation_id, query, tuple(blocks), "\n\n".join(system_parts) or None, history or None
+    )
+
+
+class ProxyService:
+    """Per-app state: memory facade, dispatcher, metrics. Use from one event loop."""
+
+    def __init__(self, memory: TurnMemory, dispatcher: Dispatcher, metrics: ProxyMetrics, salt_secret: str) -> None:
+        """Wire the parts; no IO."""
+        self.memory = memory
+        self.dispatcher = dispatcher
+        self.metrics = metrics
+        self._salt_secret = salt_secret.encode("utf-8")
+
+    def cache_salt(self, tenant: str) -> str:
+        """The tenant's vLLM ``cache_salt``: a keyed hash of the tenant, stable across restarts."""
+        digest = hashlib.blake2b(tenant.encode("utf-8", "surrogatepass"), key=self._salt_secret[:64], digest_size=16)
+        return digest.hexdigest()
+
+    def engine_payload(
+        self, request: ChatCompletionRequest, messages: Sequence[Mapping[str, str]] | None, request_id: str,
+        tenant: str,
+    ) -> dict[str, Any]:
+        """The body sent to the engine: the client's fields, our messages, request id and the tenant's salt."""
+        payload = request.model_dump(exclude_unset=True, exclude={"cpmemory"})
+        payload["model"] = request.model
+        if messages is not None:
+            payload["messages"] = [dict(message) for message in messages]
+        payload["request_id"] = request_id
+        payload["cache_salt"] = self.cache_salt(tenant)
+        if request.stream and messages is not None and "stream_options" not in payload:
+            payload["stream_options"] = {"include_usage": True}
+        return payload
+
+    async def prepare(self, tenant: str, turn: TurnInput) -> Any:
+        """Run the facade's prepare (InvalidInputError propagates: nothing was stored)."""
+        return await self.memory.prepare(
+            turn.conversation_id, turn.query, list(turn.blocks), history=list(turn.history) if turn.history else None,
+            tenant=tenant, system_prompt=turn.system_prompt,
+        )
+
+    async def pass_through(self, request: ChatCompletionRequest, tenant: str) -> DispatchResult:
+        """Forward a plain request to the replica of its prefix-affinity key."""
+        request_id = "cpm-" + uuid.uuid4().hex
+        payload = self.engine_payload(request, None, request_id, tenant)
+        result = await self.dispatcher.complete(prefix_key(tenant, request), payload, {"X-Request-Id": request_id})
+        self._count_engine(result.decision.index, result.failovers, result.response.get("usage"))
+        return result
+
+    async def open_pass_through_stream(self, request: ChatCompletionRequest, tenant: str) -> StreamDispatch:
+        """Open a plain streaming request on the replica of its prefix-affinity key."""
+        request_id = "cpm-" + uuid.uuid4().hex
+        payload = self.engine_payload(request, None, request_id, tenant)
+        return await self.dispatcher.open_stream(prefix_key(tenant, request), payload, {"X-Request-Id": request_id})
+
+    async def run_turn(
+        self, request: ChatCompletionRequest, tenant: str, turn: TurnInput, prepared: Any, started: float
+    ) -> TurnOutcome:
+        """Send a prepared turn, then commit (success) or abort (engine failure, re-raised)."""
+        payload = self.engine_payload(request, prepared.messages, prepared.request_id, tenant)
+        key = conversation_affinity_key(tenant, turn.conversation_id)
+        try:
+            result = await self.dispatcher.complete(key, payload, {"X-Request-Id": prepared.request_id})
+        except EngineError:
+            await self.abort(prepared)
+            self.metrics.requests.labels(replica="none", outcome="engine_error").inc()
+            raise
+        committed = await self.commit(prepared, completion_text(result.response))
+        self._count_engine(result.decision.index, result.failovers, result.response.get("usage"))
+        overhead = time.perf_counter() - started - result.engine_seconds
+        info = self.turn_info(turn, prepared, result.decision, result.failovers, result.response.get("usage"),
+                              committed, overhead)
+        return TurnOutcome({**result.response, "cpmemory": info})
+
+    async def open_turn_stream(self, request: ChatCompletionRequest, tenant: str, turn: TurnInput,
+                               prepared: Any) -> StreamDispatch:
+        """Open the engine stream of a prepared turn; abort the turn if no replica accepts it."""
+        payload = self.engine_payload(request, prepared.messages, prepared.request_id, tenant)
+        key = conversation_affinity_key(tenant, turn.conversation_id)
+        try:
+            return await self.dispatcher.open_stream(key, payload, {"X-Request-Id": prepared.request_id})
+        except EngineError:
+            await self.abort(prepared)
+            raise
+
+    async def relay_stream(
+        self, opened: StreamDispatch, prepared: Any | None, overhead_s: float
+    ) -> AsyncIterator[bytes]:
+        """Yield the engine's bytes unchanged; at the end commit (clean end) or abort (anything else)."""
+        collector = SseCollector()
+        try:
+            async for chunk in opened.stream.aiter_bytes():
+                collector.feed(chunk)
+                yield chunk
+        except EngineError as error:
+            collector.broken = True
+            yield b'data: {"error": {"type": "engine_error", "code": "stream_broken", "message": "' + \
+                type(error).__name__.encode() + b'"}}\n\n'
+        finally:
+            await opened.release()
+            await self._finish_stream(opened, prepared, collector, overhead_s)
+
+    async def _finish_stream(
+        self, opened: StreamDispatch, prepared: Any | None, collector: SseCollector, overhead_s: float
+    ) -> None:
+        started = time.perf_counter()
+        if prepared is not None:
+            if collector.complete:
+                await self.commit(prepared, collector.answer)
+            else:
+                await self.abort(prepared)
+        self._count_engine(opened.decision.index, opened.failovers, collector.usage)
+        self.metrics.overhead.observe(overhead_s + time.perf_counter() - started)
+
+    async def commit(self, prepared: Any, answer: str) -> bool:
+        """Commit the turn; a store failure or an expired reservation is logged and counted, never raised."""
+        try:
+            await self.memory.commit(prepared, answer)
+        except (StoreUnavailableError, ReservationError) as error:
+            logger.warning("commit of %s failed: %s", getattr(prepared, "request_id", "?"), error)
+            self.metrics.fallbacks.labels(kind="store").inc()
+            return False
+        return True
+
+    async def abort(self, prepared: Any) -> None:
+        """Release the turn's reservation; failures are logged (the reservation expires on its own)."""
+        try:
+            await self.memory.abort(prepared)
+        except (StoreUnavailableError, ReservationError) as error:
+            logger.warning("abort of %s failed: %s", getattr(prepared, "request_id", "?"), error)
+
+    def turn_info(
+        self, turn: TurnInput, prepared: Any, decision: Any, failovers: int, usage: Any, committed: bool,
+        overhead_s: float,
+    ) -> dict[str, Any]:
+        """The ``cpmemory`` field of a response; also records the turn's metrics."""
+        prompt_tokens, cached_tokens = usage_tokens({"usage": usage})
+        decisions = [decision_dict(item) for item in getattr(prepared, "decisions", ())]
+        deduplicated = deduplicated_tokens(turn.blocks, decisions)
+        self.metrics.tokens_deduplicated.inc(deduplicated)
+        self.metrics.observe_blocks([item["status"] for item in decisions])
+        self.metrics.overhead.observe(max(0.0, overhead_s))
+        degraded = bool(getattr(prepared, "degraded", False))
+        if degraded:
+            self.metrics.fallbacks.labels(kind="store").inc()
+        return {
+            "conversation_id": turn.conversation_id, "turn": getattr(prepared, "turn", None),
+            "request_id": prepared.request_id, "replica": decision.index, "route_reason": decision.reason,
+            "failovers": failovers, "decisions": decisions, "cached_tokens": cached_tokens,
+            "prompt_tokens": prompt_tokens, "tokens_deduplicated": deduplicated, "degraded": degraded,
+            "committed": committed, "overhead_ms": round(max(0.0, overhead_s) * 1000, 3),
+        }
+
+    def _count_engine(self, replica: int, failovers: int, usage: Any) -> None:
+        prompt_tokens, cached_tokens = usage_tokens({"usage": usage})
+        self.metrics.prompt_tokens.inc(prompt_tokens)
+        self.metrics.cached_tokens.inc(cached_tokens)
+        self.metrics.requests.labels(replica=str(replica), outcome="ok").inc()
+        if failovers:
+            self.metrics.fallbacks.labels(kind="engine").inc(failovers)
+        self.metrics.healthy_replicas.set(self.dispatcher.router.healthy_count())
+
+
+def decision_dict(item: Any) -> dict[str, Any]:
+    """A BlockDecision as a JSON-ready dict."""
+    return {
+        "block_id": str(item.block_id), "label": str(item.label), "status": str(item.status),
+        "original_rank": int(item.original_rank),
+        "prompt_position": None if item.prompt_position is None else int(item.prompt_position),
+    }
+
+
+def deduplicated_tokens(blocks: Sequence[Block], decisions: Sequence[Mapping[str, Any]]) -> int:
+    """Tokens of the blocks sent as a reference instead of in full (cpmemory's deterministic tokenizer)."""
+    from cpmemory.bench.tokenizer import count_tokens
+
+    referenced = {item["block_id"] for item in decisions if item["status"] == "referenced"}
+    return sum(count_tokens(block.text) for block in blocks if block.id in referenced)
+
+
+def prefix_key(tenant: str, request: ChatCompletionRequest) -> str:
+    """Affinity key of a plain request: the tenant and its first message (the prefix most likely cached)."""
+    first = request.messages[0]
+    text = first.content if isinstance(first.content, str) else repr(first.content)
+    digest = hashlib.blake2b(text[:4096].encode("utf-8", "surrogatepass"), digest_size=8).hexdigest()
+    return conversation_affinity_key(tenant, "prefix:" + digest)

@@ -1,0 +1,106 @@
+"""Dispatcher failover and the Chain-of-Agents helper against a fake engine fleet (prefix-cache accounting)."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from cpmemory.errors import NoHealthyReplicaError
+from cpmemory.routing.chain_of_agents import ChainOfAgents, ChainOfAgentsConfig, split_chunks
+from cpmemory.routing.dispatch import Dispatcher
+from cpmemory.routing.router import Router
+from cpmemory.routing.transport import EngineHTTPError
+
+URLS = ["http://r0", "http://r1", "http://r2"]
+PAYLOAD = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+
+
+def test_failover_marks_down_and_counts_nothing_in_flight(fleet) -> None:
+    router = Router(URLS)
+    failed = []
+    dispatcher = Dispatcher(router, fleet, on_failover=failed.append)
+    key = "conversation|k"
+    first, second, _ = router.ranking(key)
+    fleet.down.add(first)
+    result = asyncio.run(dispatcher.complete(key, PAYLOAD))
+    assert result.decision.url == second and result.failovers == 1
+    assert [d.url for d in failed] == [first]
+    assert [s.in_flight for s in router.status()] == [0, 0, 0]
+    assert not router.status()[URLS.index(first)].healthy
+    fleet.down.clear()
+    asyncio.run(router.probe(fleet.is_healthy))
+    assert asyncio.run(dispatcher.complete(key, PAYLOAD)).decision.url == first
+
+
+def test_every_replica_down_raises_and_client_errors_are_not_retried(fleet) -> None:
+    router = Router(URLS)
+    dispatcher = Dispatcher(router, fleet)
+    fleet.down.update(URLS)
+    with pytest.raises(NoHealthyReplicaError):
+        asyncio.run(dispatcher.complete("k", PAYLOAD))
+    assert router.healthy_count() == 0
+    router2 = Router(URLS)
+    fleet.down.clear()
+    fleet.reject.update(URLS)
+    with pytest.raises(EngineHTTPError):
+        asyncio.run(Dispatcher(router2, fleet).complete("k", PAYLOAD))
+    assert router2.healthy_count() == 3 and len(fleet.calls) == 0
+
+
+@settings(max_examples=200, deadline=None)
+@given(text=st.text(max_size=400), size=st.integers(1, 50), most=st.one_of(st.none(), st.integers(1, 10)))
+def test_split_chunks_loses_nothing(text: str, size: int, most: int | None) -> None:
+    chunks = split_chunks(text, size, most)
+    assert "".join(chunks) == text
+    assert all(chunks)
+    if most is not None:
+        assert len(chunks) <= most or size * most >= len(text)
+
+
+def test_chain_of_agents_job_stays_on_one_replica_and_reuses_its_prefix(fleet) -> None:
+    dispatcher = Dispatcher(Router(URLS), fleet)
+    coa = ChainOfAgents(dispatcher, ChainOfAgentsConfig(chunk_chars=200))
+    blocks = [{"id": f"b{i}", "text": f"shared context block {i} " * 30} for i in range(5)]
+    text = " ".join(f"sentence {i} of the long input." for i in range(150))
+    result = asyncio.run(coa.run("job-1", "Summarise", text, context_blocks=blocks))
+    workers = [call for call in result.calls if call.role == "worker"]
+    assert len(workers) == len(split_chunks(text, 200)) and result.calls[-1].role == "manager"
+    assert len(result.replicas) == 1
+    shared_chars = sum(len(b["text"]) for b in blocks)
+    assert all(call.cached_tokens >= shared_chars // 4 for call in result.calls[1:])
+    assert result.calls[0].cached_tokens < shared_chars // 4
+    # the running summary is passed on: each worker's prompt contains the previous worker's output
+    prompts = [payload["messages"][1]["content"] for _, payload in fleet.calls]
+    for previous, prompt in zip(result.worker_outputs, prompts[1:]):
+        assert previous in prompt
+
+
+def test_many_jobs_spread_over_replicas_and_each_stays_put(fleet) -> None:
+    dispatcher = Dispatcher(Router(URLS), fleet)
+    coa = ChainOfAgents(dispatcher, ChainOfAgentsConfig(chunk_chars=100))
+    jobs = [(f"job-{i}", "task", "word " * 100) for i in range(30)]
+    results = asyncio.run(coa.run_many(jobs, concurrency=5))
+    assert [r.job_id for r in results] == [job[0] for job in jobs]
+    assert all(len(r.replicas) == 1 for r in results)
+    assert len(set().union(*(r.replicas for r in results))) == 3
+
+
+def test_chain_of_agents_fails_over_mid_job(fleet) -> None:
+    router = Router(URLS)
+    dispatcher = Dispatcher(router, fleet)
+    coa = ChainOfAgents(dispatcher, ChainOfAgentsConfig(chunk_chars=50))
+    calls = []
+    original = fleet.complete
+
+    async def flaky(base_url, payload, headers, timeout_s):
+        calls.append(base_url)
+        if len(calls) == 2:
+            fleet.down.add(base_url)
+        return await original(base_url, payload, headers, timeout_s)
+
+    fleet.complete = flaky
+    result = asyncio.run(coa.run("job-x", "task", "word " * 60))
+    assert len(result.replicas) == 2 and len(result.calls) == len(split_chunks("word " * 60, 50)) + 1
+    assert router.healthy_count() == 2
