@@ -1,0 +1,96 @@
+"""Safe Redis key names for one conversation's state.
+
+Layout (``P`` is the configurable prefix, ``T`` and ``C`` are fixed-length hashes of the tenant and the
+conversation id)::
+
+    P:{T:C}:state    hash   "turns" -> committed turns; "path" -> last search path (JSON);
+                            "tenant" / "conversation" -> the raw ids (inspection only);
+                            "s:<content_hash>" -> "<turn>:<json [label, block_id]>"   (seen blocks)
+                            "i:<block_id utf-8>" -> content_hash                      (last hash per id)
+    P:{T:C}:log      list   transcript messages (JSON), commit order
+    P:{T:C}:paths    list   search path of each committed turn (JSON)
+    P:{T:C}:res      zset   open reservation id -> deadline (server ms)
+    P:{T:C}:done     zset   committed reservation id -> turn; "x:<id>" -> turn at expiry (expired marker)
+
+Seen blocks, ids and the counters share one hash so that ``reserve`` reads all it needs with one ``HMGET``
+(every ``redis.call`` in a script costs a few microseconds). The ``{T:C}`` hash tag puts every key of one conversation in one Redis Cluster slot, so each Lua script touches a
+single slot. Raw ids never appear in key names: any string (braces, colons, ``*``, spaces, 1 KB, unicode, lone
+surrogates) maps to the same 32+32 hex characters. The tenant hash is part of every key, so no call made for one
+tenant can name another tenant's keys. Pure module: no IO.
+"""
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import dataclass
+
+from cpmemory.errors import InvalidIdentifierError
+from cpmemory.stores.base import ConversationKey
+
+DEFAULT_PREFIX = "cpm"
+FIELDS: tuple[str, ...] = ("state", "log", "paths", "res", "done")
+_PREFIX_PATTERN = re.compile(r"[A-Za-z0-9_.:\-]{1,64}")
+_HASH_BYTES = 16
+
+
+def encode_text(value: str) -> bytes:
+    """Encode an id or text for Redis, keeping lone surrogates (hostile ids) round-trippable. Pure."""
+    return value.encode("utf-8", "surrogatepass")
+
+
+def decode_text(value: bytes | str) -> str:
+    """Inverse of :func:`encode_text`; accepts ``str`` from clients created with ``decode_responses=True``."""
+    if isinstance(value, str):
+        return value
+    return value.decode("utf-8", "surrogatepass")
+
+
+def _digest(kind: bytes, value: str) -> str:
+    return hashlib.blake2b(encode_text(value), digest_size=_HASH_BYTES, person=kind).hexdigest()
+
+
+def check_prefix(prefix: str) -> str:
+    """Validate a key prefix: 1-64 characters of ``[A-Za-z0-9_.:-]`` (never a brace, so never a hash tag)."""
+    if not isinstance(prefix, str) or not _PREFIX_PATTERN.fullmatch(prefix):
+        raise InvalidIdentifierError(
+            f"key prefix must be 1-64 characters of letters, digits, '_', '.', ':' or '-', got {prefix!r}"
+        )
+    return prefix
+
+
+@dataclass(frozen=True, slots=True)
+class ConversationKeys:
+    """The Redis key names of one conversation, in the order the Lua scripts expect them (``KEYS[1..5]``)."""
+
+    state: str
+    log: str
+    paths: str
+    res: str
+    done: str
+
+    def all(self) -> tuple[str, ...]:
+        """Every key, in ``FIELDS`` order (the ``KEYS`` contract of the Lua scripts)."""
+        return (self.state, self.log, self.paths, self.res, self.done)
+
+
+@dataclass(frozen=True, slots=True)
+class KeyScheme:
+    """Maps a ConversationKey to its key names under ``prefix``. Pure; O(len(ids))."""
+
+    prefix: str = DEFAULT_PREFIX
+
+    def __post_init__(self) -> None:
+        check_prefix(self.prefix)
+
+    def tag(self, key: ConversationKey) -> str:
+        """The hash tag (without braces) shared by all keys of ``key``: ``<tenant hash>:<conversation hash>``."""
+        return f"{_digest(b'cpm-tenant', key.tenant)}:{_digest(b'cpm-conv', key.conversation)}"
+
+    def keys(self, key: ConversationKey) -> ConversationKeys:
+        """The key names of one conversation."""
+        base = f"{self.prefix}:{{{self.tag(key)}}}:"
+        return ConversationKeys(*(base + name for name in FIELDS))
+
+    def pattern(self) -> str:
+        """A SCAN pattern matching every key under this prefix (for cleanup tools and tests)."""
+        return f"{self.prefix}:{{*"

@@ -1,0 +1,49 @@
+-- commit.lua: make a reserved turn durable, exactly once.
+-- KEYS[1..5] = state, log, paths, res, done of one conversation (cpmemory/stores/keys.py)
+-- ARGV[1] = conversation TTL in ms (0 = none)   ARGV[2] = reservation id
+-- ARGV[3] = raw tenant id   ARGV[4] = raw conversation id (kept in state for inspection only)
+-- ARGV[5] = search path JSON   ARGV[6] = m, the number of transcript messages
+-- ARGV[7 .. 6+m] = messages (JSON)   ARGV[7+m] = s, the number of shown blocks
+-- then s triplets: "s:<content hash>", seen payload (JSON [label, block_id]), "i:<block id>"
+-- Returns the committed turn number (>= 1); the same number again for a reservation already committed;
+-- -1 for an unknown reservation; -2 for an expired one (nothing is recorded in either case).
+-- Shown blocks are recorded under the turn number assigned here (not the one guessed at reserve time).
+
+local now = now_ms()
+local id = ARGV[2]
+local done = redis.call('ZSCORE', KEYS[5], id)
+if done then
+  refresh_ttl(nil)
+  return tonumber(done)
+end
+if redis.call('ZSCORE', KEYS[5], 'x:' .. id) then
+  return -2
+end
+local deadline = redis.call('ZSCORE', KEYS[4], id)
+if not deadline then
+  return -1
+end
+if tonumber(deadline) < now then
+  purge_expired(now)
+  return -2
+end
+
+local turn = redis.call('HINCRBY', KEYS[1], 'turns', 1)
+redis.call('HSET', KEYS[1], 'tenant', ARGV[3], 'conversation', ARGV[4], 'path', ARGV[5])
+local m = tonumber(ARGV[6])
+if m > 0 then
+  redis.call('RPUSH', KEYS[2], unpack(ARGV, 7, 6 + m))
+end
+local s = tonumber(ARGV[7 + m])
+local base = 7 + m
+for i = 0, s - 1 do
+  local at = base + 3 * i
+  local hash_field = ARGV[at + 1]
+  redis.call('HSET', KEYS[1], hash_field, turn .. ':' .. ARGV[at + 2], ARGV[at + 3], string.sub(hash_field, 3))
+end
+redis.call('RPUSH', KEYS[3], ARGV[5])
+redis.call('ZREM', KEYS[4], id)
+remember(id, turn)
+purge_expired(now)
+refresh_ttl(nil)
+return turn

@@ -1,0 +1,74 @@
+-- common.lua: helpers prepended to every cpmemory script (not a script on its own).
+-- Every script receives the five keys of ONE conversation (one hash tag, so one cluster slot):
+--   KEYS[1] state (hash)  KEYS[2] log (list)  KEYS[3] paths (list)  KEYS[4] res (zset)  KEYS[5] done (zset)
+-- and ARGV[1] = the conversation TTL in milliseconds (0 = no expiry), refreshed on every call: a key the call
+-- wrote gets the full TTL; all five are refreshed together unless state's TTL is within min(1% of it, 60 s) of
+-- full (each redis.call costs microseconds, so a hot reserve skips four PEXPIREs).
+-- Field layout of the state hash: see cpmemory/stores/keys.py.
+
+local DONE_KEEP = 256  -- committed / expired reservation ids remembered for idempotent commits
+
+-- Server time in milliseconds (scripts replicate by effects, so TIME is allowed).
+local function now_ms()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+
+local function committed_turns()
+  return tonumber(redis.call('HGET', KEYS[1], 'turns') or '0')
+end
+
+-- Remember a reservation id (committed: its turn; expired: "x:" .. id) and forget the oldest beyond DONE_KEEP.
+local function remember(member, score)
+  redis.call('ZADD', KEYS[5], score, member)
+  if redis.call('ZCARD', KEYS[5]) > DONE_KEEP then
+    redis.call('ZREMRANGEBYRANK', KEYS[5], 0, -(DONE_KEEP + 1))
+  end
+end
+
+-- Lazily turn reservations past their deadline into expired markers. O(expired). Returns true if any.
+local function purge_expired(now)
+  local expired = redis.call('ZRANGEBYSCORE', KEYS[4], '-inf', '(' .. now)
+  if #expired == 0 then
+    return false
+  end
+  local turns = committed_turns()
+  for _, id in ipairs(expired) do
+    remember('x:' .. id, turns)
+  end
+  redis.call('ZREMRANGEBYSCORE', KEYS[4], '-inf', '(' .. now)
+  return true
+end
+
+-- Refresh the conversation's TTL. `written` = index of the one key this call wrote (always refreshed), or
+-- nil to refresh all five keys unconditionally.
+local function refresh_ttl(written)
+  local ttl = tonumber(ARGV[1])
+  if ttl <= 0 then
+    return
+  end
+  if written then
+    redis.call('PEXPIRE', KEYS[written], ttl)
+    if redis.call('PTTL', KEYS[1]) >= ttl - math.min(math.floor(ttl / 100), 60000) then
+      return
+    end
+  end
+  for i = 1, 5 do
+    redis.call('PEXPIRE', KEYS[i], ttl)
+  end
+end
+
+-- HMGET of the fields ARGV[first .. last], in chunks (Lua's unpack takes at most a few thousand values).
+local function hmget_args(key, first, last)
+  if last - first < 1000 then
+    return redis.call('HMGET', key, unpack(ARGV, first, last))
+  end
+  local values = {}
+  for start = first, last, 1000 do
+    local part = redis.call('HMGET', key, unpack(ARGV, start, math.min(start + 999, last)))
+    for i = 1, #part do
+      values[#values + 1] = part[i]
+    end
+  end
+  return values
+end

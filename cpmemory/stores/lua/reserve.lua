@@ -1,0 +1,22 @@
+-- reserve.lua: read the committed state one request needs and record a reservation, atomically.
+-- KEYS[1..5] = state, log, paths, res, done of one conversation (cpmemory/stores/keys.py)
+-- ARGV[1] = conversation TTL in ms (0 = none)        ARGV[2] = new reservation id
+-- ARGV[3] = reservation timeout in ms                 ARGV[4] = "1" to return the transcript, else "0"
+-- ARGV[5 ..] = state fields to read: "turns", "path", then "s:<hash>" per block, then "i:<id>" per block
+-- Returns {values of those fields (nil = absent), transcript list (or nil)}.
+-- Only committed state is read: another open reservation's blocks are never visible.
+
+local now = now_ms()
+local purged = purge_expired(now)
+redis.call('ZADD', KEYS[4], now + tonumber(ARGV[3]), ARGV[2])
+local values = hmget_args(KEYS[1], 5, #ARGV)
+local transcript = false
+if ARGV[4] == '1' then
+  transcript = redis.call('LRANGE', KEYS[2], 0, -1)
+end
+if purged then
+  refresh_ttl(nil)
+else
+  refresh_ttl(4)
+end
+return {values, transcript}

@@ -1,0 +1,370 @@
+"""Session state in Redis: two-phase turns, one round trip each, tenant-isolated, cluster-ready.
+
+Every operation is one Lua script run by SHA (``EVALSHA``; redis-py's ``Script`` reloads it on ``NOSCRIPT``, e.g.
+after a server restart) over the seven keys of one conversation (see :mod:`cpmemory.stores.keys`), which share one
+hash tag and therefore one Redis Cluster slot. The scripts live in ``cpmemory/stores/lua/*.lua`` with their
+``KEYS``/``ARGV`` contract at the top; ``common.lua`` is prepended to each.
+
+The request encoding and the reply decoding are sans-IO (:class:`RedisSessionCodec`), shared by the synchronous
+:class:`RedisSessionStore` (``redis.Redis`` / ``redis.cluster.RedisCluster``) and the asyncio
+:class:`AsyncRedisSessionStore` (``redis.asyncio.Redis`` / ``redis.asyncio.cluster.RedisCluster``); those two only
+do IO. Any Redis or socket failure is raised as :class:`~cpmemory.errors.StoreUnavailableError` (the facade then
+serves the turn pass-through); the redis-py client reconnects by itself when the server is back.
+
+Clients must be created with ``decode_responses=False`` (the default): ids are binary-safe byte strings.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import secrets
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from importlib import resources
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from cpmemory.errors import (
+    MissingDependencyError,
+    ReservationExpiredError,
+    StoreUnavailableError,
+    UnknownReservationError,
+)
+from cpmemory.stores.base import (
+    ConversationKey,
+    ConversationState,
+    Message,
+    Reservation,
+    ReserveRequest,
+    SeenBlock,
+    TurnRecord,
+)
+from cpmemory.stores.keys import DEFAULT_PREFIX, KeyScheme, check_prefix, decode_text, encode_text
+
+SCRIPT_NAMES: tuple[str, ...] = ("reserve", "commit", "abort", "load")
+_UNKNOWN, _EXPIRED = -1, -2
+
+
+class RedisStoreConfig(BaseModel):
+    """Settings of the Redis session store.
+
+    Attributes:
+        prefix: key prefix (1-64 of ``[A-Za-z0-9_.:-]``); one per deployment or test run.
+        ttl_s: conversation time-to-live in seconds, refreshed on every call (0 = never expires).
+        socket_timeout_s: per-command socket timeout used by :meth:`client_from_url`; past it the call fails
+            with StoreUnavailableError and the facade serves the turn pass-through.
+        connect_timeout_s: connect timeout used by :meth:`client_from_url`.
+        retries: redis-py retries on connection errors / timeouts used by :meth:`client_from_url`.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    prefix: str = DEFAULT_PREFIX
+    ttl_s: float = Field(default=7 * 24 * 3600.0, ge=0)
+    socket_timeout_s: float = Field(default=0.2, gt=0)
+    connect_timeout_s: float = Field(default=0.2, gt=0)
+    retries: int = Field(default=1, ge=0, le=10)
+
+    @field_validator("prefix")
+    @classmethod
+    def _valid_prefix(cls, value: str) -> str:
+        return check_prefix(value)
+
+    def client_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for a redis-py client honouring the timeouts and retries above."""
+        from redis.backoff import NoBackoff
+        from redis.retry import Retry
+
+        return {
+            "socket_timeout": self.socket_timeout_s,
+            "socket_connect_timeout": self.connect_timeout_s,
+            "retry": Retry(NoBackoff(), self.retries),
+            "decode_responses": False,
+        }
+
+
+def load_script_sources() -> dict[str, str]:
+    """Read the Lua scripts shipped with the package: ``{name: common.lua + name.lua}``. Reads files only."""
+    folder = resources.files("cpmemory.stores").joinpath("lua")
+    common = folder.joinpath("common.lua").read_text(encoding="utf-8")
+    return {name: common + "\n" + folder.joinpath(f"{name}.lua").read_text(encoding="utf-8") for name in SCRIPT_NAMES}
+
+
+def new_reservation_id() -> str:
+    """A fresh, unguessable reservation id (24 hex characters)."""
+    return secrets.token_hex(12)
+
+
+def _json_bytes(value: object) -> bytes:
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":")).encode("utf-8", "surrogatepass")
+
+
+def _json_load(raw: bytes | str) -> Any:
+    return json.loads(decode_text(raw))
+
+
+def _decode_seen(content_hash: str, raw: bytes | str) -> SeenBlock:
+    turn, payload = decode_text(raw).split(":", 1)
+    label, block_id = json.loads(payload)
+    return SeenBlock(block_id=block_id, content_hash=content_hash, label=label, turn=int(turn))
+
+
+def _decode_path(raw: bytes | str | None) -> tuple[int, ...]:
+    return tuple(_json_load(raw)) if raw else ()
+
+
+def _pairs(flat: Sequence[Any]) -> Iterator[tuple[Any, Any]]:
+    return zip(flat[0::2], flat[1::2])
+
+
+@dataclass(frozen=True, slots=True)
+class ScriptCall:
+    """One script invocation: which script, its KEYS and its ARGV (sans-IO)."""
+
+    script: str
+    keys: tuple[str, ...]
+    args: tuple[Any, ...]
+
+
+class RedisSessionCodec:
+    """Builds script calls and decodes replies; no IO, shared by the sync and async stores."""
+
+    __slots__ = ("keys", "ttl_ms", "_key_names")
+
+    def __init__(self, config: RedisStoreConfig) -> None:
+        self.keys = KeyScheme(config.prefix)
+        self.ttl_ms = int(round(config.ttl_s * 1000))
+        # Two blake2b digests per call add up on the hot path; recent conversations' key names are cached.
+        self._key_names = functools.lru_cache(maxsize=4096)(self._names)
+
+    def _names(self, key: ConversationKey) -> tuple[str, ...]:
+        return self.keys.keys(key).all()
+
+    def key_names(self, key: ConversationKey) -> tuple[str, ...]:
+        """The Redis keys of one conversation (``KEYS`` of every script). Pure; cached."""
+        return self._key_names(key)
+
+    def reserve_call(self, key: ConversationKey, request: ReserveRequest, reservation_id: str) -> ScriptCall:
+        """The reserve script call for ``request`` under the new ``reservation_id``."""
+        seen_fields = ["s:" + content_hash for _, content_hash in request.blocks]
+        id_fields = [b"i:" + encode_text(block_id) for block_id, _ in request.blocks]
+        timeout_ms = max(1, int(round(request.reservation_timeout_s * 1000)))
+        head = (self.ttl_ms, reservation_id, timeout_ms, "1" if request.include_transcript else "0", "turns", "path")
+        return ScriptCall("reserve", self._key_names(key), (*head, *seen_fields, *id_fields))
+
+    def parse_reserve(self, reply: Sequence[Any], request: ReserveRequest, reservation_id: str) -> Reservation:
+        """Decode the reserve reply into a Reservation restricted to the request's hashes and ids."""
+        values, transcript_raw = reply
+        count = len(request.blocks)
+        seen: dict[str, SeenBlock] = {}
+        previous: dict[str, str] = {}
+        seen_values, previous_values = values[2 : 2 + count], values[2 + count :]
+        for (block_id, content_hash), seen_value, previous_hash in zip(request.blocks, seen_values, previous_values):
+            if seen_value is not None and content_hash not in seen:
+                seen[content_hash] = _decode_seen(content_hash, seen_value)
+            if previous_hash is not None:
+                previous[block_id] = decode_text(previous_hash)
+        transcript = None
+        if request.include_transcript:
+            transcript = tuple(_json_load(raw) for raw in transcript_raw or ())
+        return Reservation(
+            reservation_id=reservation_id,
+            turn=int(values[0] or 0),
+            seen=seen,
+            previous_hash_for_id=previous,
+            transcript=transcript,
+            last_search_path=_decode_path(values[1]),
+        )
+
+    def commit_call(self, key: ConversationKey, reservation_id: str, record: TurnRecord) -> ScriptCall:
+        """The commit script call making ``record`` durable under ``reservation_id``."""
+        messages = [_json_bytes(dict(message)) for message in record.messages]
+        shown: list[Any] = []
+        for block in record.shown:
+            payload = json.dumps([block.label, block.block_id], separators=(",", ":"))
+            shown.extend(("s:" + block.content_hash, payload, b"i:" + encode_text(block.block_id)))
+        head = (
+            self.ttl_ms,
+            reservation_id,
+            encode_text(key.tenant),
+            encode_text(key.conversation),
+            json.dumps(list(record.search_path), separators=(",", ":")),
+        )
+        return ScriptCall(
+            "commit", self._key_names(key), (*head, len(messages), *messages, len(record.shown), *shown)
+        )
+
+    @staticmethod
+    def parse_commit(reply: Any, reservation_id: str) -> int:
+        """Decode the commit reply: the turn number, or the typed error for an unknown / expired reservation."""
+        turn = int(reply)
+        if turn == _UNKNOWN:
+            raise UnknownReservationError(f"unknown reservation {reservation_id!r} (never made, or released)")
+        if turn == _EXPIRED:
+            raise ReservationExpiredError(f"reservation {reservation_id!r} expired before commit; nothing recorded")
+        return turn
+
+    def abort_call(self, key: ConversationKey, reservation_id: str) -> ScriptCall:
+        """The abort script call."""
+        return ScriptCall("abort", self._key_names(key), (self.ttl_ms, reservation_id))
+
+    def load_call(self, key: ConversationKey) -> ScriptCall:
+        """The load script call (whole conversation)."""
+        return ScriptCall("load", self._key_names(key), (self.ttl_ms,))
+
+    @staticmethod
+    def parse_load(reply: Sequence[Any]) -> ConversationState:
+        """Decode the load reply into a ConversationState."""
+        state_flat, log, paths, open_count = reply
+        turns, seen, ids = 0, {}, {}
+        for raw_field, value in _pairs(state_flat):
+            field = decode_text(raw_field)
+            if field.startswith("s:"):
+                seen[field[2:]] = _decode_seen(field[2:], value)
+            elif field.startswith("i:"):
+                ids[field[2:]] = decode_text(value)
+            elif field == "turns":
+                turns = int(value)
+        return ConversationState(
+            turns=turns,
+            seen=seen,
+            ids=ids,
+            transcript=tuple(_json_load(raw) for raw in log),
+            search_paths=tuple(_decode_path(raw) for raw in paths),
+            open_reservations=int(open_count),
+        )
+
+
+def _redis_errors() -> tuple[type[BaseException], ...]:
+    try:
+        from redis.exceptions import RedisError
+    except ImportError as error:  # pragma: no cover - depends on the environment
+        raise MissingDependencyError("redis", "redis") from error
+    return (RedisError, OSError, TimeoutError)
+
+
+@contextmanager
+def _unavailable_on_failure(errors: tuple[type[BaseException], ...], operation: str) -> Iterator[None]:
+    try:
+        yield
+    except errors as error:
+        raise StoreUnavailableError(f"redis {operation} failed: {type(error).__name__}: {error}") from error
+
+
+class _RedisStoreBase:
+    """What both stores share: config, codec, and the registered scripts of one client."""
+
+    def __init__(self, client: Any, config: RedisStoreConfig | None = None) -> None:
+        self.config = config or RedisStoreConfig()
+        self.client = client
+        self._codec = RedisSessionCodec(self.config)
+        self._errors = _redis_errors()
+        # register_script only hashes the text locally (no IO); the first EVALSHA loads it on NOSCRIPT.
+        self._scripts = {name: client.register_script(text) for name, text in load_script_sources().items()}
+
+    @property
+    def key_scheme(self) -> KeyScheme:
+        """The key naming in use (for inspection and cleanup tools)."""
+        return self._codec.keys
+
+
+class RedisSessionStore(_RedisStoreBase):
+    """Synchronous SessionStore on ``redis.Redis`` or ``redis.cluster.RedisCluster``. One round trip per call.
+
+    Thread-safe as far as the redis-py client is (its connection pool is).
+    """
+
+    @classmethod
+    def from_url(cls, url: str, config: RedisStoreConfig | None = None, *, cluster: bool = False) -> RedisSessionStore:
+        """Create a store with a new client for ``url`` using the config's timeouts (connects lazily)."""
+        config = config or RedisStoreConfig()
+        try:
+            import redis
+            from redis.cluster import RedisCluster
+        except ImportError as error:  # pragma: no cover - depends on the environment
+            raise MissingDependencyError("redis", "redis") from error
+        factory = RedisCluster.from_url if cluster else redis.Redis.from_url
+        return cls(factory(url, **config.client_kwargs()), config)
+
+    def _run(self, call: ScriptCall) -> Any:
+        with _unavailable_on_failure(self._errors, call.script):
+            return self._scripts[call.script](keys=call.keys, args=call.args)
+
+    def reserve(self, key: ConversationKey, request: ReserveRequest) -> Reservation:
+        """Record a reservation and return the committed state the request needs. One round trip; mutates."""
+        reservation_id = new_reservation_id()
+        reply = self._run(self._codec.reserve_call(key, request, reservation_id))
+        return self._codec.parse_reserve(reply, request, reservation_id)
+
+    def commit(self, key: ConversationKey, reservation_id: str, record: TurnRecord) -> int:
+        """Make the reserved turn durable; idempotent per reservation. One round trip; mutates."""
+        return self._codec.parse_commit(self._run(self._codec.commit_call(key, reservation_id, record)), reservation_id)
+
+    def abort(self, key: ConversationKey, reservation_id: str) -> bool:
+        """Release a reservation; False if it was not open. One round trip; mutates."""
+        return bool(self._run(self._codec.abort_call(key, reservation_id)))
+
+    def load(self, key: ConversationKey) -> ConversationState:
+        """Read the whole conversation (not on the hot path). One round trip; refreshes the TTL."""
+        return self._codec.parse_load(self._run(self._codec.load_call(key)))
+
+    def delete(self, key: ConversationKey) -> None:
+        """Forget the conversation. One round trip (its keys share one slot)."""
+        with _unavailable_on_failure(self._errors, "delete"):
+            self.client.delete(*self._codec.key_names(key))
+
+    def close(self) -> None:
+        """Close the client's connections."""
+        self.client.close()
+
+
+class AsyncRedisSessionStore(_RedisStoreBase):
+    """Asyncio SessionStore on ``redis.asyncio.Redis`` or ``redis.asyncio.cluster.RedisCluster``."""
+
+    @classmethod
+    def from_url(
+        cls, url: str, config: RedisStoreConfig | None = None, *, cluster: bool = False
+    ) -> AsyncRedisSessionStore:
+        """Create a store with a new asyncio client for ``url`` using the config's timeouts (connects lazily)."""
+        config = config or RedisStoreConfig()
+        try:
+            import redis.asyncio as aioredis
+            from redis.asyncio.cluster import RedisCluster
+        except ImportError as error:  # pragma: no cover - depends on the environment
+            raise MissingDependencyError("redis", "redis") from error
+        factory = RedisCluster.from_url if cluster else aioredis.Redis.from_url
+        return cls(factory(url, **config.client_kwargs()), config)
+
+    async def _run(self, call: ScriptCall) -> Any:
+        with _unavailable_on_failure(self._errors, call.script):
+            return await self._scripts[call.script](keys=call.keys, args=call.args)
+
+    async def reserve(self, key: ConversationKey, request: ReserveRequest) -> Reservation:
+        """Record a reservation and return the committed state the request needs. One round trip; mutates."""
+        reservation_id = new_reservation_id()
+        reply = await self._run(self._codec.reserve_call(key, request, reservation_id))
+        return self._codec.parse_reserve(reply, request, reservation_id)
+
+    async def commit(self, key: ConversationKey, reservation_id: str, record: TurnRecord) -> int:
+        """Make the reserved turn durable; idempotent per reservation. One round trip; mutates."""
+        reply = await self._run(self._codec.commit_call(key, reservation_id, record))
+        return self._codec.parse_commit(reply, reservation_id)
+
+    async def abort(self, key: ConversationKey, reservation_id: str) -> bool:
+        """Release a reservation; False if it was not open. One round trip; mutates."""
+        return bool(await self._run(self._codec.abort_call(key, reservation_id)))
+
+    async def load(self, key: ConversationKey) -> ConversationState:
+        """Read the whole conversation (not on the hot path). One round trip; refreshes the TTL."""
+        return self._codec.parse_load(await self._run(self._codec.load_call(key)))
+
+    async def delete(self, key: ConversationKey) -> None:
+        """Forget the conversation. One round trip (its keys share one slot)."""
+        with _unavailable_on_failure(self._errors, "delete"):
+            await self.client.delete(*self._codec.key_names(key))
+
+    async def close(self) -> None:
+        """Close the client's connections."""
+        await self.client.aclose()
