@@ -57,6 +57,7 @@ class ServerConfig(BaseModel):
         cache_salt_secret: key of the hash that derives each tenant's vLLM ``cache_salt``.
         engine_timeout_s: per-call engine timeout; past it the replica is marked down and the call fails over.
         router: routing thresholds.
+        kv_events: vLLM KV-event endpoints (``tcp://host:port``), one per engine, for eviction sync.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -69,6 +70,7 @@ class ServerConfig(BaseModel):
     cache_salt_secret: str = "cpmemory"
     engine_timeout_s: float = Field(default=120.0, gt=0)
     router: RouterConfig = Field(default_factory=RouterConfig)
+    kv_events: list[str] = Field(default_factory=list, description="KV-event endpoint per engine, in order")
 
 
 def error_response(status: int, error_type: str, code: str, message: str, details: Any = None) -> Any:

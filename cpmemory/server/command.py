@@ -1,9 +1,69 @@
-"""Placeholder command: replaced by the owning work stream."""
+"""``cpmemory serve``: start the OpenAI-compatible proxy in front of one or more engine replicas (uvicorn).
+
+Example::
+
+    cpmemory serve --engine http://127.0.0.1:8000 --engine http://127.0.0.1:8001 --redis redis://127.0.0.1:6379/0
+
+API keys map to tenants: ``--api-key KEY=TENANT`` (repeatable) or ``--api-keys-file FILE`` (a JSON object
+``{"KEY": "TENANT"}``, which keeps keys out of the process list). Without keys every caller is tenant ``default``.
+"""
 from __future__ import annotations
+
+import json
+from pathlib import Path
 
 import typer
 
 
-def command(json_output: bool = typer.Option(False, "--json", help="Print one JSON object on stdout.")) -> None:
-    """Not built yet."""
-    raise typer.Exit(code=2)
+def parse_api_keys(pairs: list[str], keys_file: Path | None) -> dict[str, str]:
+    """Merge ``KEY=TENANT`` pairs and a JSON keys file into one mapping; raises typer.BadParameter on bad input."""
+    keys: dict[str, str] = {}
+    if keys_file is not None:
+        try:
+            loaded = json.loads(keys_file.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as error:
+            raise typer.BadParameter(f"cannot read {keys_file}: {error}") from error
+        if not isinstance(loaded, dict) or not all(isinstance(k, str) and isinstance(v, str) and k and v
+                                                   for k, v in loaded.items()):
+            raise typer.BadParameter("the API keys file must be a JSON object of non-empty strings")
+        keys.update(loaded)
+    for pair in pairs:
+        key, separator, tenant = pair.partition("=")
+        if not separator or not key or not tenant:
+            raise typer.BadParameter(f"--api-key expects KEY=TENANT, got {pair!r}")
+        keys[key] = tenant
+    return keys
+
+
+def command(
+    engine: list[str] = typer.Option(..., "--engine", help="Engine base URL (repeat for several replicas)."),
+    redis: str | None = typer.Option(None, "--redis", help="Redis URL for session state (default: in memory)."),
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on."),
+    port: int = typer.Option(8080, "--port", help="Port to listen on."),
+    kv_events: list[str] = typer.Option(
+        [], "--kv-events", help="vLLM KV-event endpoint (tcp://HOST:PORT) of each engine, in --engine order."
+    ),
+    api_key: list[str] = typer.Option([], "--api-key", help="KEY=TENANT (repeatable)."),
+    api_keys_file: Path | None = typer.Option(None, "--api-keys-file", help="JSON object {KEY: TENANT}."),
+    redis_prefix: str = typer.Option("cpm", "--redis-prefix", help="Key prefix in Redis."),
+    engine_timeout: float = typer.Option(120.0, "--engine-timeout", help="Seconds before a replica is failed over."),
+    cache_salt_secret: str = typer.Option(
+        "cpmemory", "--cache-salt-secret", envvar="CPM_CACHE_SALT_SECRET", help="Key of per-tenant cache salts."
+    ),
+    log_level: str = typer.Option("warning", "--log-level", help="uvicorn log level."),
+) -> None:
+    """Start the proxy (blocks until interrupted)."""
+    try:
+        import uvicorn
+    except ImportError:
+        typer.echo("uvicorn is not installed; run: pip install 'cpmemory[server]'", err=True)
+        raise typer.Exit(code=2) from None
+    from cpmemory.server.app import ServerConfig, create_app
+
+    if kv_events and len(kv_events) != len(engine):
+        raise typer.BadParameter("give one --kv-events endpoint per --engine, in the same order")
+    config = ServerConfig(
+        engines=engine, redis_url=redis, redis_prefix=redis_prefix, api_keys=parse_api_keys(api_key, api_keys_file),
+        cache_salt_secret=cache_salt_secret, engine_timeout_s=engine_timeout, kv_events=kv_events,
+    )
+    uvicorn.run(create_app(config), host=host, port=port, log_level=log_level)

@@ -1,0 +1,60 @@
+"""docker-compose.yml cannot run here (no Docker engine): check that its services reference each other correctly."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import yaml
+
+from cpmemory.server.command import command
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _compose() -> dict:
+    return yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+
+
+def _flag_values(args: list[str], flag: str) -> list[str]:
+    return [arg.split("=", 1)[1] for arg in args if arg.startswith(flag + "=")]
+
+
+def test_services_and_their_wiring() -> None:
+    services = _compose()["services"]
+    assert {"redis", "proxy"} <= set(services)
+    replicas = [name for name, spec in services.items() if str(spec.get("image", "")).startswith("vllm/vllm-openai")]
+    assert len(replicas) == 2
+    proxy_args = services["proxy"]["command"]
+    engines = _flag_values(proxy_args, "--engine")
+    events = _flag_values(proxy_args, "--kv-events")
+    assert len(engines) == len(events) == 2
+    for replica, engine_url, event_url in zip(sorted(replicas), engines, events):
+        args = services[replica]["command"]
+        port = _flag_values(args, "--port")[0]
+        assert engine_url == f"http://{replica}:{port}"
+        assert "--enable-prefix-caching" in args
+        kv_config = next(arg for arg in args if arg.startswith("--kv-events-config="))
+        bound = re.search(r'"endpoint": "tcp://\*:(\d+)"', kv_config)
+        assert bound and event_url == f"tcp://{replica}:{bound.group(1)}"
+        assert _flag_values(args, "--model")[0]
+        assert services["proxy"]["depends_on"][replica]["condition"] == "service_healthy"
+        devices = services[replica]["deploy"]["resources"]["reservations"]["devices"][0]
+        assert "gpu" in devices["capabilities"]
+    redis_url = _flag_values(proxy_args, "--redis")[0]
+    assert redis_url.startswith("redis://redis:6379")
+    assert "redis" in services["proxy"]["depends_on"]
+
+
+def test_proxy_image_runs_the_serve_command_with_known_options() -> None:
+    services = _compose()["services"]
+    dockerfile = ROOT / services["proxy"]["build"]["dockerfile"]
+    text = dockerfile.read_text()
+    assert 'ENTRYPOINT ["cpmemory", "serve"]' in text and "[server]" in text
+    # every flag the compose file passes is an option of `cpmemory serve`
+    import inspect
+
+    known = set()
+    for parameter in inspect.signature(command).parameters.values():
+        known.update(p for p in parameter.default.param_decls if p.startswith("--"))
+    for arg in services["proxy"]["command"]:
+        assert arg.split("=", 1)[0] in known, arg
