@@ -1,0 +1,221 @@
+"""Framework-neutral pieces shared by the Mem0 and LangChain adapters.
+
+Everything here is sans-IO: it never calls the facade itself, so the sync and async adapters share it. An adapter
+
+1. turns the framework's results into blocks (``Block``), in the framework's relevance order;
+2. calls ``CpMemory.prepare`` / ``AsyncCpMemory.prepare`` (the only IO step);
+3. hands the framework's own objects back in *prompt order*, each carrying :func:`decision_fields`;
+4. keeps the prepared turn in :class:`PendingTurns` until the caller commits the answer or aborts.
+
+Fallback shared by every adapter: when no conversation id is known, the results are passed through in their
+original order, nothing is de-duplicated, and :func:`passthrough_messages` shows every block in full.
+"""
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from cpmemory.core.annotations import build_user_message, format_block
+from cpmemory.core.blocks import Block, content_hash
+
+STATUS_PASSTHROUGH = "passthrough"
+"""Status of a result that did not go through cpmemory (no conversation id); it is sent in full."""
+
+STATUS_EMPTY = "empty"
+"""Status of a result with empty (or whitespace-only) text: kept in the results, nothing to send."""
+
+STATUS_DUPLICATE = "duplicate"
+"""Status of a result repeating an earlier one (same id, same text): its text reaches the prompt via the first."""
+
+DERIVED_ID_PREFIX = "hash:"
+"""Prefix of the block id derived for a result that has no id of its own."""
+
+FULL_STATUSES = frozenset({"new", "changed", "resent", STATUS_PASSTHROUGH})
+"""Statuses whose block text is sent in full in this turn's prompt."""
+
+
+class PassthroughWarning(UserWarning):
+    """Warned when an adapter passes results through because the call names no conversation."""
+
+
+class DecisionLike(Protocol):
+    """What the adapters read from a ``cpmemory.facade.BlockDecision``."""
+
+    block_id: str
+    label: str
+    status: str
+    original_rank: int
+    prompt_position: int | None
+
+
+class PreparedTurnLike(Protocol):
+    """What the adapters read from a ``cpmemory.facade.PreparedTurn``."""
+
+    reservation_id: str
+    conversation_id: str
+    turn: int
+    messages: Sequence[Mapping[str, str]]
+    decisions: Sequence[DecisionLike]
+    degraded: bool
+
+
+@dataclass(frozen=True, slots=True)
+class BlockAssignment:
+    """Blocks made from a framework's results, and where each result went.
+
+    Attributes:
+        blocks: the blocks to send to cpmemory, in relevance order (ids unique).
+        item_block: for each result, the index of its block in ``blocks``, or None when it is not sent.
+        notes: for each result, extra ``cpmemory`` fields (``id_derived``, ``id_collision``, ``status`` for
+            ``empty`` / ``duplicate`` results, ``duplicate_of``).
+    """
+
+    blocks: tuple[Block, ...]
+    item_block: tuple[int | None, ...]
+    notes: tuple[Mapping[str, Any], ...]
+
+
+def assign_blocks(entries: Sequence[tuple[str | None, str, str | None]]) -> BlockAssignment:
+    """Make blocks from ``(id or None, text, content hash hint or None)`` entries in relevance order. Pure; O(n).
+
+    Rules (no result is ever dropped silently):
+      * no id -> ``"hash:<hint or content hash of the text>"``, noted ``id_derived``;
+      * empty / whitespace-only text -> not sent, noted ``status="empty"``;
+      * an id seen before with the same text -> not sent, noted ``status="duplicate"``, ``duplicate_of=<rank>``;
+      * an id seen before with another text -> sent under ``"<id>#<rank>"``, noted ``id_collision``.
+    """
+    blocks: list[Block] = []
+    item_block: list[int | None] = []
+    notes: list[dict[str, Any]] = []
+    first_by_id: dict[str, tuple[int, str]] = {}  # block id -> (rank of its first result, text)
+    for rank, (raw_id, text, hint) in enumerate(entries):
+        note: dict[str, Any] = {}
+        block_id = raw_id
+        if not block_id:
+            block_id, note["id_derived"] = DERIVED_ID_PREFIX + (hint or content_hash(text)), True
+        if not text.strip():
+            note["status"] = STATUS_EMPTY
+            item_block.append(None)
+        elif block_id in first_by_id and first_by_id[block_id][1] == text:
+            note.update(status=STATUS_DUPLICATE, duplicate_of=first_by_id[block_id][0])
+            item_block.append(None)
+        else:
+            if block_id in first_by_id:
+                block_id, note["id_collision"] = f"{block_id}#{rank}", True
+            first_by_id.setdefault(block_id, (rank, text))
+            item_block.append(len(blocks))
+            blocks.append(Block(block_id, text, {"rank": rank}))
+        notes.append(note)
+    return BlockAssignment(tuple(blocks), tuple(item_block), tuple(notes))
+
+
+def decision_fields(turn: PreparedTurnLike, decision: DecisionLike) -> dict[str, Any]:
+    """Return the ``cpmemory`` field attached to one result: what cpmemory decided for it. Pure."""
+    return {
+        "status": decision.status,
+        "label": decision.label,
+        "original_rank": decision.original_rank,
+        "prompt_position": decision.prompt_position,
+        "conversation_id": turn.conversation_id,
+        "turn": turn.turn,
+        "reservation_id": turn.reservation_id,
+        "degraded": turn.degraded,
+        "saved_chars": getattr(decision, "saved_chars", 0),
+    }
+
+
+def passthrough_fields(original_rank: int, reason: str) -> dict[str, Any]:
+    """Return the ``cpmemory`` field of a result passed through untouched (sent in full, original order)."""
+    return {
+        "status": STATUS_PASSTHROUGH,
+        "label": None,
+        "original_rank": original_rank,
+        "prompt_position": original_rank,
+        "conversation_id": None,
+        "turn": None,
+        "reservation_id": None,
+        "degraded": False,
+        "saved_chars": 0,
+        "reason": reason,
+    }
+
+
+def prompt_ranks(decisions: Sequence[DecisionLike]) -> list[int]:
+    """Return the original ranks of ``decisions`` in the order the results should be handed back.
+
+    Blocks placed in the prompt (``prompt_position`` set) come first, in prompt order; blocks without a position
+    (references) follow in relevance order. Pure; O(n log n).
+    """
+
+    def key(decision: DecisionLike) -> tuple[bool, int, int]:
+        position = decision.prompt_position
+        return (position is None, position if position is not None else 0, decision.original_rank)
+
+    return [decision.original_rank for decision in sorted(decisions, key=key)]
+
+
+def passthrough_messages(
+    query: str,
+    blocks: Sequence[Block],
+    *,
+    history: Sequence[Mapping[str, str]] | None = None,
+    system_prompt: str | None = None,
+) -> list[dict[str, str]]:
+    """Return chat messages showing every block in full, in the given order (the no-conversation fallback).
+
+    The user message uses the same layout as cpmemory's own prompts (labelled blocks, then the question), so a
+    model sees one format whether or not a conversation id was given. Pure.
+    """
+    messages: list[dict[str, str]] = []
+    if system_prompt:
+        messages.append({"role": "system", "content": system_prompt})
+    messages.extend({"role": str(message["role"]), "content": str(message["content"])} for message in history or ())
+    shown = [format_block(block.label, block.text) for block in blocks]
+    messages.append({"role": "user", "content": build_user_message(shown, [], None, query)})
+    return messages
+
+
+class PendingTurns:
+    """Prepared turns not yet committed or aborted, one per conversation. Thread-safe.
+
+    A conversation has at most one turn in flight through an adapter: preparing a new turn replaces the previous
+    one, which :meth:`put` returns so the adapter can abort it (an aborted turn records nothing, so later turns
+    never refer to text that was not committed).
+    """
+
+    __slots__ = ("_lock", "_turns")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._turns: dict[str, Any] = {}
+
+    def put(self, conversation_id: str, turn: Any) -> Any | None:
+        """Record ``turn`` as the conversation's pending turn; return the turn it replaces, if any. O(1)."""
+        with self._lock:
+            previous = self._turns.get(conversation_id)
+            self._turns[conversation_id] = turn
+            return previous
+
+    def get(self, conversation_id: str) -> Any | None:
+        """Return the conversation's pending turn, or None. Does not remove it. O(1)."""
+        with self._lock:
+            return self._turns.get(conversation_id)
+
+    def pop(self, conversation_id: str) -> Any | None:
+        """Remove and return the conversation's pending turn, or None. O(1)."""
+        with self._lock:
+            return self._turns.pop(conversation_id, None)
+
+    def discard(self, conversation_id: str, turn: Any) -> bool:
+        """Remove the conversation's pending turn only if it is ``turn``; return whether it was removed."""
+        with self._lock:
+            if self._turns.get(conversation_id) is turn:
+                del self._turns[conversation_id]
+                return True
+            return False
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._turns)

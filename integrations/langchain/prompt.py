@@ -1,0 +1,137 @@
+"""``CpMemoryPromptRunnable``: ``{documents, question, history}`` -> chat messages with prefix-stable context.
+
+    chain = (
+        {"documents": retriever, "question": RunnablePassthrough()}
+        | retriever.prompt()          # list[BaseMessage]
+        | chat_model
+        | retriever.committer()       # records the answer for the conversation's next turns
+    )
+    chain.invoke("question", config={"configurable": {"thread_id": "chat-42"}})
+
+Which prompt is built:
+
+1. Documents from a :class:`~integrations.langchain.retriever.CpMemoryRetriever` sharing this runnable's pending
+   turns, with no ``history`` given: the turn the retriever prepared is used as is (no second prepare).
+2. Otherwise, with a conversation id in the config: the documents (put back in their relevance order) are
+   prepared here, with ``history`` (LangChain messages) when given -- references then point only at text in it --
+   or the conversation's stored transcript when not. A turn the retriever prepared for the conversation is aborted.
+3. Without a conversation id: every document in full, in the given order (a
+   :class:`~integrations._common.PassthroughWarning`); nothing is recorded.
+"""
+from __future__ import annotations
+
+import warnings
+from collections.abc import Mapping
+from typing import Any
+
+from langchain_core.messages import BaseMessage
+from langchain_core.runnables import Runnable, RunnableConfig
+from langchain_core.runnables.config import ensure_config
+
+from integrations._common import PassthroughWarning, PendingTurns, passthrough_messages
+from integrations.langchain.documents import (
+    METADATA_KEY,
+    PromptInput,
+    conversation_from_config,
+    dicts_to_messages,
+    documents_to_blocks,
+    messages_to_dicts,
+    relevance_order,
+)
+from integrations.langchain.turns import DEFAULT_CONVERSATION_KEY, TurnKeeper, acall_facade, call_facade
+
+
+class CpMemoryPromptRunnable(TurnKeeper, Runnable[Mapping[str, Any], list[BaseMessage]]):
+    """Build a turn's chat messages through cpmemory (see the module docstring for the three cases).
+
+    Args:
+        memory: a ``cpmemory.CpMemory`` or ``AsyncCpMemory``; None builds a ``CpMemory``.
+        pending: pending turns to share with a retriever (``CpMemoryRetriever.prompt()`` passes its own).
+        conversation_key: the ``configurable`` key naming the conversation (default ``"thread_id"``).
+        id_key: the metadata key holding a Document's id when ``Document.id`` is unset.
+        tenant: the cpmemory tenant.
+        system_prompt: placed first in the messages.
+    """
+
+    def __init__(
+        self,
+        memory: Any = None,
+        *,
+        pending: PendingTurns | None = None,
+        conversation_key: str = DEFAULT_CONVERSATION_KEY,
+        id_key: str = "id",
+        tenant: str = "default",
+        system_prompt: str | None = None,
+    ) -> None:
+        if memory is None:
+            from cpmemory.facade import CpMemory
+
+            memory = CpMemory()
+        self.memory = memory
+        self._pending = pending if pending is not None else PendingTurns()
+        self.conversation_key = conversation_key
+        self.id_key = id_key
+        self.tenant = tenant
+        self.system_prompt = system_prompt
+
+    def _reusable(self, parsed: PromptInput, conversation: str | None) -> Any | None:
+        """The retriever's pending turn when ``parsed`` carries exactly its documents and no history."""
+        if conversation is None or parsed.history is not None:
+            return None
+        turn = self.pending.get(conversation)
+        if turn is None:
+            return None
+        reservations = {(doc.metadata or {}).get(METADATA_KEY, {}).get("reservation_id") for doc in parsed.documents}
+        return turn if reservations == {turn.reservation_id} else None
+
+    def _arguments(self, parsed: PromptInput) -> tuple[Any, dict[str, Any]]:
+        assignment = documents_to_blocks(relevance_order(parsed.documents), self.id_key)
+        options = {"history": messages_to_dicts(parsed.history), "tenant": self.tenant,
+                   "system_prompt": self.system_prompt}
+        return assignment, options
+
+    def _passthrough(self, parsed: PromptInput) -> list[BaseMessage]:
+        warnings.warn(
+            f"CpMemoryPromptRunnable: no '{self.conversation_key}' in config['configurable']; "
+            "every document sent in full, nothing recorded",
+            PassthroughWarning,
+            stacklevel=3,
+        )
+        assignment = documents_to_blocks(parsed.documents, self.id_key)
+        messages = passthrough_messages(parsed.question, assignment.blocks,
+                                        history=messages_to_dicts(parsed.history), system_prompt=self.system_prompt)
+        return dicts_to_messages(messages)
+
+    def invoke(self, input: Mapping[str, Any], config: RunnableConfig | None = None, **kwargs: Any) -> list[BaseMessage]:
+        """Return the chat messages of the run's turn (prepares one unless the retriever already did)."""
+        parsed = PromptInput.parse(input)
+        conversation = conversation_from_config(ensure_config(config), self.conversation_key)
+        turn = self._reusable(parsed, conversation)
+        if turn is None:
+            if conversation is None:
+                return self._passthrough(parsed)
+            assignment, options = self._arguments(parsed)
+            turn = call_facade(self.memory, "prepare", conversation, parsed.question, list(assignment.blocks),
+                               **options)
+            stale = self._replace(conversation, turn)
+            if stale is not None:
+                call_facade(self.memory, "abort", stale)
+        return dicts_to_messages(turn.messages)
+
+    async def ainvoke(
+        self, input: Mapping[str, Any], config: RunnableConfig | None = None, **kwargs: Any
+    ) -> list[BaseMessage]:
+        """Async :meth:`invoke`."""
+        parsed = PromptInput.parse(input)
+        conversation = conversation_from_config(ensure_config(config), self.conversation_key)
+        turn = self._reusable(parsed, conversation)
+        if turn is None:
+            if conversation is None:
+                return self._passthrough(parsed)
+            assignment, options = self._arguments(parsed)
+            turn = await acall_facade(self.memory, "prepare", conversation, parsed.question,
+                                      list(assignment.blocks), **options)
+            stale = self._replace(conversation, turn)
+            if stale is not None:
+                await acall_facade(self.memory, "abort", stale)
+        return dicts_to_messages(turn.messages)

@@ -1,0 +1,130 @@
+"""``CpMemoryRetriever``: a LangChain retriever that reorders / de-duplicates another retriever's Documents.
+
+    retriever = CpMemoryRetriever(retriever=vector_store.as_retriever(), memory=CpMemory())
+    docs = retriever.invoke("question", config={"configurable": {"thread_id": "chat-42"}})
+    messages = retriever.prompt().invoke({"documents": docs, "question": "question"}, config)
+    answer = model.invoke(messages)
+    retriever.commit(answer, config)
+
+The conversation is ``config["configurable"][conversation_key]`` (``"thread_id"``, LangGraph's convention, by
+default; inside a LangGraph node the node's config is picked up without passing it). Each returned Document is a
+copy carrying ``metadata["cpmemory"]`` (status, label, original_rank, prompt_position, ...), in prompt order.
+Without a conversation id the Documents pass through in their original order, marked ``passthrough``, with a
+:class:`~integrations._common.PassthroughWarning`; nothing is de-duplicated and nothing is ever dropped.
+"""
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+from langchain_core.callbacks import AsyncCallbackManagerForRetrieverRun, CallbackManagerForRetrieverRun
+from langchain_core.documents import Document
+from langchain_core.retrievers import BaseRetriever
+from langchain_core.runnables import RunnableConfig
+from langchain_core.runnables.config import ensure_config
+from pydantic import ConfigDict, Field, PrivateAttr
+
+from integrations._common import PassthroughWarning, PendingTurns
+from integrations.langchain.documents import (
+    annotate_passthrough,
+    annotate_prepared,
+    conversation_from_config,
+    documents_to_blocks,
+)
+from integrations.langchain.turns import DEFAULT_CONVERSATION_KEY, TurnKeeper, acall_facade, call_facade
+
+NO_CONVERSATION_REASON = "no conversation id in config['configurable']"
+
+
+def _default_memory() -> Any:
+    from cpmemory.facade import CpMemory
+
+    return CpMemory()
+
+
+class CpMemoryRetriever(TurnKeeper, BaseRetriever):
+    """Wrap ``retriever``; its Documents come back in prompt order with cpmemory's decisions in their metadata.
+
+    Attributes:
+        retriever: the inner retriever (any ``BaseRetriever``); its Documents are never mutated.
+        memory: a ``cpmemory.CpMemory`` (sync and async calls) or ``AsyncCpMemory`` (async calls only).
+        conversation_key: the ``configurable`` key naming the conversation (default ``"thread_id"``).
+        id_key: the metadata key holding a Document's id when ``Document.id`` is unset.
+        tenant: the cpmemory tenant of this retriever's conversations.
+        system_prompt: placed first in every prepared turn's messages.
+    """
+
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+
+    retriever: BaseRetriever
+    memory: Any = Field(default_factory=_default_memory)
+    conversation_key: str = DEFAULT_CONVERSATION_KEY
+    id_key: str = "id"
+    tenant: str = "default"
+    system_prompt: str | None = None
+    _pending: PendingTurns = PrivateAttr(default_factory=PendingTurns)
+
+    def invoke(self, input: str, config: RunnableConfig | None = None, **kwargs: Any) -> list[Document]:
+        """Retrieve, then reorder / de-duplicate for the run's conversation (see the module docstring)."""
+        config = ensure_config(config)
+        kwargs.setdefault("conversation_id", conversation_from_config(config, self.conversation_key))
+        return super().invoke(input, config, **kwargs)
+
+    async def ainvoke(self, input: str, config: RunnableConfig | None = None, **kwargs: Any) -> list[Document]:
+        """Async :meth:`invoke`."""
+        config = ensure_config(config)
+        kwargs.setdefault("conversation_id", conversation_from_config(config, self.conversation_key))
+        return await super().ainvoke(input, config, **kwargs)
+
+    def _get_relevant_documents(
+        self, query: str, *, run_manager: CallbackManagerForRetrieverRun, conversation_id: str | None = None
+    ) -> list[Document]:
+        documents = self.retriever.invoke(query, config={"callbacks": run_manager.get_child()})
+        assignment = documents_to_blocks(documents, self.id_key)
+        if conversation_id is None:
+            return self._passthrough(documents, assignment)
+        turn = call_facade(self.memory, "prepare", conversation_id, query, list(assignment.blocks), **self._options())
+        stale = self._replace(conversation_id, turn)
+        if stale is not None:
+            call_facade(self.memory, "abort", stale)
+        return annotate_prepared(documents, assignment, turn)
+
+    async def _aget_relevant_documents(
+        self, query: str, *, run_manager: AsyncCallbackManagerForRetrieverRun, conversation_id: str | None = None
+    ) -> list[Document]:
+        documents = await self.retriever.ainvoke(query, config={"callbacks": run_manager.get_child()})
+        assignment = documents_to_blocks(documents, self.id_key)
+        if conversation_id is None:
+            return self._passthrough(documents, assignment)
+        blocks = list(assignment.blocks)
+        turn = await acall_facade(self.memory, "prepare", conversation_id, query, blocks, **self._options())
+        stale = self._replace(conversation_id, turn)
+        if stale is not None:
+            await acall_facade(self.memory, "abort", stale)
+        return annotate_prepared(documents, assignment, turn)
+
+    def _options(self) -> dict[str, Any]:
+        return {"tenant": self.tenant, "system_prompt": self.system_prompt}
+
+    def _passthrough(self, documents: Sequence[Document], assignment: Any) -> list[Document]:
+        warnings.warn(
+            f"CpMemoryRetriever: no '{self.conversation_key}' in config['configurable']; "
+            "documents passed through in their original order, nothing de-duplicated",
+            PassthroughWarning,
+            stacklevel=4,
+        )
+        return annotate_passthrough(documents, assignment, NO_CONVERSATION_REASON)
+
+    def prompt(self) -> Any:
+        """Return a :class:`CpMemoryPromptRunnable` sharing this retriever's facade and pending turns."""
+        from integrations.langchain.prompt import CpMemoryPromptRunnable
+
+        return CpMemoryPromptRunnable(
+            self.memory,
+            pending=self._pending,
+            conversation_key=self.conversation_key,
+            id_key=self.id_key,
+            tenant=self.tenant,
+            system_prompt=self.system_prompt,
+        )

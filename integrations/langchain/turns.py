@@ -1,0 +1,134 @@
+"""The two-phase turn behind the LangChain adapters: prepare, then commit the answer (or abort).
+
+A retriever or prompt runnable prepares a turn per conversation and keeps it in a :class:`PendingTurns` that it
+shares with the other adapters of the same chain; :class:`TurnKeeper` commits or aborts it by conversation id (taken
+from the run's config, like everything else). The facade may be sync (``CpMemory``) or async (``AsyncCpMemory``):
+the sync path needs a sync facade; the async path awaits an async one or runs a sync one in an executor.
+"""
+from __future__ import annotations
+
+import inspect
+from collections.abc import Mapping
+from typing import Any
+
+from langchain_core.messages import BaseMessage
+from langchain_core.runnables import RunnableConfig, RunnableLambda
+from langchain_core.runnables.config import ensure_config, run_in_executor
+
+from cpmemory.errors import InvalidInputError, UnknownReservationError
+from integrations._common import PendingTurns
+from integrations.langchain.documents import conversation_from_config
+
+DEFAULT_CONVERSATION_KEY = "thread_id"
+
+
+def is_async_facade(memory: Any) -> bool:
+    """True when ``memory.prepare`` is a coroutine function (an ``AsyncCpMemory``)."""
+    return inspect.iscoroutinefunction(getattr(memory, "prepare", None))
+
+
+def call_facade(memory: Any, method: str, *args: Any, **kwargs: Any) -> Any:
+    """Call a sync facade method. Raises InvalidInputError for an async facade (use the async path)."""
+    if is_async_facade(memory):
+        raise InvalidInputError("this adapter holds an AsyncCpMemory: call ainvoke / acommit, or pass a CpMemory")
+    return getattr(memory, method)(*args, **kwargs)
+
+
+async def acall_facade(memory: Any, method: str, *args: Any, **kwargs: Any) -> Any:
+    """Await an async facade method, or run a sync one in the default executor."""
+    if is_async_facade(memory):
+        return await getattr(memory, method)(*args, **kwargs)
+    return await run_in_executor(None, getattr(memory, method), *args, **kwargs)
+
+
+def answer_text(answer: Any) -> str:
+    """The text of a model answer: a string, a message's text, or ``{"answer": ...}`` / ``{"messages": [...]}``."""
+    if isinstance(answer, str):
+        return answer
+    if isinstance(answer, BaseMessage):
+        return answer.text if isinstance(answer.text, str) else str(answer.content)
+    if isinstance(answer, Mapping):
+        if "answer" in answer:
+            return answer_text(answer["answer"])
+        if answer.get("messages"):
+            return answer_text(answer["messages"][-1])
+    raise InvalidInputError(f"cannot read an answer from {type(answer).__name__}")
+
+
+class TurnKeeper:
+    """Commit or abort the pending turn of a conversation; shared by the retriever and the prompt runnable.
+
+    Subclasses provide the attributes ``memory`` (the facade), ``conversation_key`` (str) and ``_pending``
+    (a PendingTurns).
+    """
+
+    @property
+    def pending(self) -> PendingTurns:
+        """Turns prepared and not yet committed, by conversation id (shared with the chain's other adapters)."""
+        return self._pending  # type: ignore[attr-defined,no-any-return]
+
+    def conversation_id(self, config: RunnableConfig | None = None) -> str | None:
+        """Return the conversation id of a run (``config["configurable"][conversation_key]``), or None.
+
+        Inside a LangGraph node or an LCEL chain the current run's config is used when ``config`` is None.
+        """
+        return conversation_from_config(ensure_config(config), self.conversation_key)
+
+    def _take(self, config: RunnableConfig | None, conversation_id: str | None) -> Any | None:
+        conversation = conversation_id or self.conversation_id(config)
+        return None if conversation is None else self.pending.pop(conversation)
+
+    def commit(self, answer: Any, config: RunnableConfig | None = None, *, conversation_id: str | None = None) -> int:
+        """Record the answer for the conversation's pending turn; return the committed turn number.
+
+        Returns 0 when the run has no conversation id (pass-through: nothing was prepared, nothing recorded).
+
+        Raises:
+            UnknownReservationError: the conversation has no pending turn.
+        """
+        conversation = conversation_id or self.conversation_id(config)
+        if conversation is None:
+            return 0
+        turn = self.pending.pop(conversation)
+        if turn is None:
+            raise UnknownReservationError(f"no pending turn for conversation {conversation!r}")
+        return int(call_facade(self.memory, "commit", turn, answer_text(answer)))
+
+    async def acommit(
+        self, answer: Any, config: RunnableConfig | None = None, *, conversation_id: str | None = None
+    ) -> int:
+        """Async :meth:`commit`."""
+        conversation = conversation_id or self.conversation_id(config)
+        if conversation is None:
+            return 0
+        turn = self.pending.pop(conversation)
+        if turn is None:
+            raise UnknownReservationError(f"no pending turn for conversation {conversation!r}")
+        return int(await acall_facade(self.memory, "commit", turn, answer_text(answer)))
+
+    def abort(self, config: RunnableConfig | None = None, *, conversation_id: str | None = None) -> bool:
+        """Drop the conversation's pending turn (records nothing); False when none was pending."""
+        turn = self._take(config, conversation_id)
+        return turn is not None and bool(call_facade(self.memory, "abort", turn))
+
+    async def aabort(self, config: RunnableConfig | None = None, *, conversation_id: str | None = None) -> bool:
+        """Async :meth:`abort`."""
+        turn = self._take(config, conversation_id)
+        return turn is not None and bool(await acall_facade(self.memory, "abort", turn))
+
+    def committer(self) -> RunnableLambda:
+        """Return a Runnable for the end of an LCEL chain: commits the answer it receives and passes it on."""
+
+        def commit_step(answer: Any, config: RunnableConfig) -> Any:
+            self.commit(answer, config)
+            return answer
+
+        async def acommit_step(answer: Any, config: RunnableConfig) -> Any:
+            await self.acommit(answer, config)
+            return answer
+
+        return RunnableLambda(commit_step, afunc=acommit_step, name="cpmemory_commit")
+
+    def _replace(self, conversation: str, turn: Any) -> Any | None:
+        """Record ``turn`` as pending; return the replaced (now stale) turn for the caller to abort."""
+        return self.pending.put(conversation, turn)

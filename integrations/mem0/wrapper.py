@@ -1,0 +1,338 @@
+"""Wrap a Mem0 memory so its search results are reordered and de-duplicated by cpmemory.
+
+    from mem0 import Memory
+    from integrations.mem0 import CpMemoryMem0
+
+    memory = CpMemoryMem0(Memory.from_config(config))
+    found = memory.search("Where does Alice live?", user_id="alice", run_id="chat-42")
+    reply = llm(memory.chat_messages("chat-42"))          # the prompt for this turn
+    memory.commit("She lives in Lyon.", conversation_id="chat-42")
+
+``search`` returns Mem0's own shape, in prompt order, each item with a ``cpmemory`` field (status ``new`` /
+``referenced`` / ``changed`` / ``partial`` / ``resent``, its ``label``, its ``original_rank``...). Every other Mem0
+method passes through unchanged. The conversation is ``conversation_id`` if given, else ``run_id`` (top level or in
+``filters``); with neither, results pass through in Mem0's order, nothing is de-duplicated, and
+``chat_messages(None)`` shows every memory in full. Works with ``Memory`` / ``MemoryClient`` (sync) and
+``AsyncMemory`` / ``AsyncMemoryClient`` (:class:`AsyncCpMemoryMem0`).
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from cpmemory.core.blocks import Block
+from cpmemory.errors import UnknownReservationError
+from integrations._common import PendingTurns, passthrough_messages
+from integrations.mem0.results import (
+    ParsedResults,
+    assemble_passthrough,
+    assemble_prepared,
+    parse_search_results,
+)
+
+logger = logging.getLogger(__name__)
+
+NO_CONVERSATION_REASON = "no conversation id (pass run_id or conversation_id)"
+_PASSTHROUGH_KEY = "\x00passthrough"  # cannot collide with a conversation id (a NUL never comes from Mem0)
+
+
+@dataclass(frozen=True, slots=True)
+class PassthroughTurn:
+    """The prompt of a search made without a conversation id: nothing is reserved, nothing to commit."""
+
+    messages: list[dict[str, str]]
+
+
+class _Mem0Adapter:
+    """What the sync and async wrappers share: arguments, conversation id, result assembly. No IO."""
+
+    def __init__(self, memory: Any, cpmemory: Any, *, tenant: str, system_prompt: str | None) -> None:
+        self._memory = memory
+        self._cpmemory = cpmemory
+        self._tenant = tenant
+        self._system_prompt = system_prompt
+        self._pending = PendingTurns()
+
+    @property
+    def memory(self) -> Any:
+        """The wrapped Mem0 object."""
+        return self._memory
+
+    @property
+    def cpmemory(self) -> Any:
+        """The cpmemory facade deciding what is sent."""
+        return self._cpmemory
+
+    def __getattr__(self, name: str) -> Any:
+        # Any Mem0 method not listed explicitly (delete_all, reset, chat, close, ...) passes through unchanged.
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self._memory, name)
+
+    @staticmethod
+    def _search_arguments(
+        user_id: str | None, agent_id: str | None, run_id: str | None, filters: Mapping[str, Any] | None,
+        options: Mapping[str, Any],
+    ) -> dict[str, Any]:
+        """Mem0 2.x takes entity ids in ``filters`` only; accept them top level too and fold them in."""
+        merged = dict(filters or {})
+        for key, value in (("user_id", user_id), ("agent_id", agent_id), ("run_id", run_id)):
+            if value is not None:
+                merged[key] = value
+        arguments = {key: value for key, value in options.items() if value is not None}
+        if merged:
+            arguments["filters"] = merged
+        return arguments
+
+    @staticmethod
+    def _conversation(conversation_id: str | None, arguments: Mapping[str, Any]) -> str | None:
+        if conversation_id is not None:
+            return conversation_id
+        run_id = (arguments.get("filters") or {}).get("run_id")
+        return run_id if isinstance(run_id, str) and run_id else None
+
+    def _passthrough(self, query: str, parsed: ParsedResults, history: Sequence[Mapping[str, str]] | None) -> Any:
+        logger.warning("cpmemory: Mem0 search without run_id/conversation_id; results passed through unchanged")
+        messages = passthrough_messages(query, parsed.blocks, history=history, system_prompt=self._system_prompt)
+        self._pending.put(_PASSTHROUGH_KEY, PassthroughTurn(messages))
+        return assemble_passthrough(parsed, NO_CONVERSATION_REASON)
+
+    def _prepare_kwargs(self, history: Sequence[Mapping[str, str]] | None) -> dict[str, Any]:
+        return {"history": history, "tenant": self._tenant, "system_prompt": self._system_prompt}
+
+    def chat_messages(self, conversation_id: str | None = None) -> list[dict[str, str]]:
+        """Return the chat messages of the conversation's pending turn (prepared by the last ``search``).
+
+        Args:
+            conversation_id: the conversation (the ``run_id`` used in ``search``); None for the last search made
+                without one.
+
+        Raises:
+            UnknownReservationError: no search is pending for that conversation.
+        """
+        turn = self._pending.get(_PASSTHROUGH_KEY if conversation_id is None else conversation_id)
+        if turn is None:
+            raise UnknownReservationError(f"no pending Mem0 search for conversation {conversation_id!r}")
+        return [dict(message) for message in turn.messages]
+
+    build_messages = chat_messages
+
+    def pending_turn(self, conversation_id: str) -> Any | None:
+        """Return the conversation's prepared, uncommitted turn (a ``PreparedTurn``), or None."""
+        turn = self._pending.get(conversation_id)
+        return None if isinstance(turn, PassthroughTurn) else turn
+
+    def _take(self, conversation_id: str | None) -> Any | None:
+        return self._pending.pop(_PASSTHROUGH_KEY if conversation_id is None else conversation_id)
+
+
+class CpMemoryMem0(_Mem0Adapter):
+    """A ``mem0.Memory`` (or hosted ``MemoryClient``) whose ``search`` goes through cpmemory.
+
+    Args:
+        memory: the Mem0 object to wrap (anything with Mem0's ``search`` / ``add`` / ... methods).
+        cpmemory: a ``cpmemory.CpMemory``; None builds one with the in-memory session store.
+        tenant: the cpmemory tenant this wrapper's conversations belong to.
+        system_prompt: an optional system prompt placed first in every turn's messages.
+    """
+
+    def __init__(
+        self, memory: Any, cpmemory: Any = None, *, tenant: str = "default", system_prompt: str | None = None
+    ) -> None:
+        if cpmemory is None:
+            from cpmemory.facade import CpMemory
+
+            cpmemory = CpMemory()
+        super().__init__(memory, cpmemory, tenant=tenant, system_prompt=system_prompt)
+
+    def search(
+        self,
+        query: str,
+        *,
+        user_id: str | None = None,
+        agent_id: str | None = None,
+        run_id: str | None = None,
+        filters: Mapping[str, Any] | None = None,
+        top_k: int | None = None,
+        threshold: float | None = None,
+        rerank: bool | None = None,
+        conversation_id: str | None = None,
+        history: Sequence[Mapping[str, str]] | None = None,
+        **options: Any,
+    ) -> dict[str, Any] | list[dict[str, Any]]:
+        """Search Mem0, then reorder / de-duplicate the results for this conversation's turn.
+
+        Mutates: prepares (reserves) a turn for the conversation, replacing (aborting) an uncommitted one.
+        Options left None use Mem0's defaults; other keyword options go to Mem0 unchanged.
+
+        Returns:
+            Mem0's answer in its own shape, items in prompt order, each with a ``cpmemory`` field.
+
+        Raises:
+            InvalidInputError: the answer or one of its items is malformed (see ``integrations.mem0.results``).
+        """
+        options.update(top_k=top_k, threshold=threshold, rerank=rerank)
+        arguments = self._search_arguments(user_id, agent_id, run_id, filters, options)
+        parsed = parse_search_results(self._memory.search(query, **arguments))
+        conversation = self._conversation(conversation_id, arguments)
+        if conversation is None:
+            return self._passthrough(query, parsed, history)
+        turn = self._cpmemory.prepare(conversation, query, list(parsed.blocks), **self._prepare_kwargs(history))
+        replaced = self._pending.put(conversation, turn)
+        if replaced is not None:
+            self._cpmemory.abort(replaced)
+        return assemble_prepared(parsed, turn)
+
+    def commit(self, answer: str, *, conversation_id: str | None = None) -> int:
+        """Record the model's answer for the conversation's pending turn; return the committed turn number.
+
+        A pass-through turn (no conversation id) records nothing and returns 0.
+
+        Raises:
+            UnknownReservationError: nothing is pending for the conversation.
+        """
+        turn = self._take(conversation_id)
+        if isinstance(turn, PassthroughTurn):
+            return 0
+        if turn is None:
+            raise UnknownReservationError(f"no pending Mem0 search for conversation {conversation_id!r}")
+        return int(self._cpmemory.commit(turn, answer))
+
+    def abort(self, *, conversation_id: str | None = None) -> bool:
+        """Drop the conversation's pending turn (nothing is recorded); False when none was pending."""
+        turn = self._take(conversation_id)
+        if turn is None or isinstance(turn, PassthroughTurn):
+            return turn is not None
+        return bool(self._cpmemory.abort(turn))
+
+    # Mem0 methods passed through unchanged (listed for typing and discoverability).
+    def add(self, messages: Any, **kwargs: Any) -> Any:
+        """``Memory.add`` unchanged."""
+        return self._memory.add(messages, **kwargs)
+
+    def get(self, memory_id: str) -> Any:
+        """``Memory.get`` unchanged."""
+        return self._memory.get(memory_id)
+
+    def get_all(self, **kwargs: Any) -> Any:
+        """``Memory.get_all`` unchanged."""
+        return self._memory.get_all(**kwargs)
+
+    def update(self, memory_id: str, *args: Any, **kwargs: Any) -> Any:
+        """``Memory.update`` unchanged (the next search reports the memory as ``changed``)."""
+        return self._memory.update(memory_id, *args, **kwargs)
+
+    def delete(self, memory_id: str, *args: Any, **kwargs: Any) -> Any:
+        """``Memory.delete`` unchanged."""
+        return self._memory.delete(memory_id, *args, **kwargs)
+
+    def delete_all(self, **kwargs: Any) -> Any:
+        """``Memory.delete_all`` unchanged."""
+        return self._memory.delete_all(**kwargs)
+
+    def history(self, memory_id: str) -> Any:
+        """``Memory.history`` unchanged."""
+        return self._memory.history(memory_id)
+
+    def reset(self) -> Any:
+        """``Memory.reset`` unchanged (cpmemory's conversation state is kept)."""
+        return self._memory.reset()
+
+
+class AsyncCpMemoryMem0(_Mem0Adapter):
+    """An ``mem0.AsyncMemory`` (or ``AsyncMemoryClient``) whose ``search`` goes through cpmemory (awaited).
+
+    Args:
+        memory: the async Mem0 object to wrap.
+        cpmemory: a ``cpmemory.AsyncCpMemory``; None builds one with the in-memory session store.
+        tenant: the cpmemory tenant this wrapper's conversations belong to.
+        system_prompt: an optional system prompt placed first in every turn's messages.
+    """
+
+    def __init__(
+        self, memory: Any, cpmemory: Any = None, *, tenant: str = "default", system_prompt: str | None = None
+    ) -> None:
+        if cpmemory is None:
+            from cpmemory.facade import AsyncCpMemory
+
+            cpmemory = AsyncCpMemory()
+        super().__init__(memory, cpmemory, tenant=tenant, system_prompt=system_prompt)
+
+    async def search(
+        self,
+        query: str,
+        *,
+        user_id: str | None = None,
+        agent_id: str | None = None,
+        run_id: str | None = None,
+        filters: Mapping[str, Any] | None = None,
+        top_k: int | None = None,
+        threshold: float | None = None,
+        rerank: bool | None = None,
+        conversation_id: str | None = None,
+        history: Sequence[Mapping[str, str]] | None = None,
+        **options: Any,
+    ) -> dict[str, Any] | list[dict[str, Any]]:
+        """Async :meth:`CpMemoryMem0.search` (same arguments, result and errors)."""
+        options.update(top_k=top_k, threshold=threshold, rerank=rerank)
+        arguments = self._search_arguments(user_id, agent_id, run_id, filters, options)
+        parsed = parse_search_results(await self._memory.search(query, **arguments))
+        conversation = self._conversation(conversation_id, arguments)
+        if conversation is None:
+            return self._passthrough(query, parsed, history)
+        blocks: list[Block] = list(parsed.blocks)
+        turn = await self._cpmemory.prepare(conversation, query, blocks, **self._prepare_kwargs(history))
+        replaced = self._pending.put(conversation, turn)
+        if replaced is not None:
+            await self._cpmemory.abort(replaced)
+        return assemble_prepared(parsed, turn)
+
+    async def commit(self, answer: str, *, conversation_id: str | None = None) -> int:
+        """Async :meth:`CpMemoryMem0.commit`."""
+        turn = self._take(conversation_id)
+        if isinstance(turn, PassthroughTurn):
+            return 0
+        if turn is None:
+            raise UnknownReservationError(f"no pending Mem0 search for conversation {conversation_id!r}")
+        return int(await self._cpmemory.commit(turn, answer))
+
+    async def abort(self, *, conversation_id: str | None = None) -> bool:
+        """Async :meth:`CpMemoryMem0.abort`."""
+        turn = self._take(conversation_id)
+        if turn is None or isinstance(turn, PassthroughTurn):
+            return turn is not None
+        return bool(await self._cpmemory.abort(turn))
+
+    async def add(self, messages: Any, **kwargs: Any) -> Any:
+        """``AsyncMemory.add`` unchanged."""
+        return await self._memory.add(messages, **kwargs)
+
+    async def get(self, memory_id: str) -> Any:
+        """``AsyncMemory.get`` unchanged."""
+        return await self._memory.get(memory_id)
+
+    async def get_all(self, **kwargs: Any) -> Any:
+        """``AsyncMemory.get_all`` unchanged."""
+        return await self._memory.get_all(**kwargs)
+
+    async def update(self, memory_id: str, *args: Any, **kwargs: Any) -> Any:
+        """``AsyncMemory.update`` unchanged."""
+        return await self._memory.update(memory_id, *args, **kwargs)
+
+    async def delete(self, memory_id: str, *args: Any, **kwargs: Any) -> Any:
+        """``AsyncMemory.delete`` unchanged."""
+        return await self._memory.delete(memory_id, *args, **kwargs)
+
+    async def delete_all(self, **kwargs: Any) -> Any:
+        """``AsyncMemory.delete_all`` unchanged."""
+        return await self._memory.delete_all(**kwargs)
+
+    async def history(self, memory_id: str) -> Any:
+        """``AsyncMemory.history`` unchanged."""
+        return await self._memory.history(memory_id)
+
+    async def reset(self) -> Any:
+        """``AsyncMemory.reset`` unchanged."""
+        return await self._memory.reset()
