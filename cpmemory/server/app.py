@@ -41,7 +41,7 @@ from cpmemory.server.schemas import (
     HealthOut,
     ReplicaHealth,
 )
-from cpmemory.server.service import ProxyService, TurnMemory, turn_input
+from cpmemory.server.service import ProxyService, TurnMemory, engine_request_id, turn_input
 
 DEFAULT_TENANT = "default"
 
@@ -241,7 +241,7 @@ def _install_routes(app: Any, service: ProxyService, resolve_tenant: _TenantReso
         try:
             if request.stream:
                 opened = await service.open_turn_stream(request, tenant, turn, prepared)
-                headers = {"X-Cpmemory-Request-Id": prepared.request_id,
+                headers = {"X-Cpmemory-Request-Id": engine_request_id(prepared),
                            "X-Cpmemory-Replica": str(opened.decision.index)}
                 overhead = time.perf_counter() - started - opened.engine_seconds
                 return StreamingResponse(service.relay_stream(opened, prepared, overhead),
@@ -256,7 +256,9 @@ def _install_routes(app: Any, service: ProxyService, resolve_tenant: _TenantReso
         tenant = resolve_tenant(authorization)
         if tenant is None:
             return unauthorized()
-        removed = await service.memory.evict(list(report.request_ids), tenant=tenant)
+        removed = service.memory.evict(list(report.request_ids), tenant=tenant)
+        if asyncio.iscoroutine(removed):  # AsyncCpMemory.evict is synchronous today; accept either
+            removed = await removed
         service.metrics.evictions.inc(removed)
         return EvictionResult(evicted=removed)
 

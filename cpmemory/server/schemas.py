@@ -124,6 +124,7 @@ class BlockDecisionOut(BaseModel):
     status: str
     original_rank: int
     prompt_position: int | None
+    saved_chars: int = 0
 
 
 class TurnInfo(BaseModel):

@@ -40,7 +40,7 @@ class TurnMemory(Protocol):
 
     async def abort(self, turn_or_reservation_id: Any) -> bool: ...
 
-    async def evict(self, request_ids: Sequence[str], **options: Any) -> int: ...
+    def evict(self, request_ids: Sequence[str], **options: Any) -> Any: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,10 +162,11 @@ class ProxyService:
         self, request: ChatCompletionRequest, tenant: str, turn: TurnInput, prepared: Any, started: float
     ) -> TurnOutcome:
         """Send a prepared turn, then commit (success) or abort (engine failure, re-raised)."""
-        payload = self.engine_payload(request, prepared.messages, prepared.request_id, tenant)
+        request_id = engine_request_id(prepared)
+        payload = self.engine_payload(request, prepared.messages, request_id, tenant)
         key = conversation_affinity_key(tenant, turn.conversation_id)
         try:
-            result = await self.dispatcher.complete(key, payload, {"X-Request-Id": prepared.request_id})
+            result = await self.dispatcher.complete(key, payload, {"X-Request-Id": request_id})
         except EngineError:
             await self.abort(prepared)
             self.metrics.requests.labels(replica="none", outcome="engine_error").inc()
@@ -180,10 +181,11 @@ class ProxyService:
     async def open_turn_stream(self, request: ChatCompletionRequest, tenant: str, turn: TurnInput,
                                prepared: Any) -> StreamDispatch:
         """Open the engine stream of a prepared turn; abort the turn if no replica accepts it."""
-        payload = self.engine_payload(request, prepared.messages, prepared.request_id, tenant)
+        request_id = engine_request_id(prepared)
+        payload = self.engine_payload(request, prepared.messages, request_id, tenant)
         key = conversation_affinity_key(tenant, turn.conversation_id)
         try:
-            return await self.dispatcher.open_stream(key, payload, {"X-Request-Id": prepared.request_id})
+            return await self.dispatcher.open_stream(key, payload, {"X-Request-Id": request_id})
         except EngineError:
             await self.abort(prepared)
             raise
@@ -250,7 +252,7 @@ class ProxyService:
             self.metrics.fallbacks.labels(kind="store").inc()
         return {
             "conversation_id": turn.conversation_id, "turn": getattr(prepared, "turn", None),
-            "request_id": prepared.request_id, "replica": decision.index, "route_reason": decision.reason,
+            "request_id": engine_request_id(prepared), "replica": decision.index, "route_reason": decision.reason,
             "failovers": failovers, "decisions": decisions, "cached_tokens": cached_tokens,
             "prompt_tokens": prompt_tokens, "tokens_deduplicated": deduplicated, "degraded": degraded,
             "committed": committed, "overhead_ms": round(max(0.0, overhead_s) * 1000, 3),
@@ -266,21 +268,33 @@ class ProxyService:
         self.metrics.healthy_replicas.set(self.dispatcher.router.healthy_count())
 
 
+def engine_request_id(prepared: Any) -> str:
+    """The request id sent to the engine: the turn's index leaf id, or a fresh one when nothing was indexed."""
+    request_id = getattr(prepared, "request_id", "")
+    if request_id:
+        return str(request_id)
+    reservation = getattr(prepared, "reservation_id", "") or uuid.uuid4().hex
+    return f"cpm-{reservation}"
+
+
 def decision_dict(item: Any) -> dict[str, Any]:
     """A BlockDecision as a JSON-ready dict."""
     return {
         "block_id": str(item.block_id), "label": str(item.label), "status": str(item.status),
         "original_rank": int(item.original_rank),
         "prompt_position": None if item.prompt_position is None else int(item.prompt_position),
+        "saved_chars": int(getattr(item, "saved_chars", 0)),
     }
 
 
 def deduplicated_tokens(blocks: Sequence[Block], decisions: Sequence[Mapping[str, Any]]) -> int:
-    """Tokens of the blocks sent as a reference instead of in full (cpmemory's deterministic tokenizer)."""
+    """Tokens not sent because of de-duplication: referenced blocks (cpmemory's deterministic tokenizer) plus the
+    saved part of partial blocks (4 characters per token)."""
     from cpmemory.bench.tokenizer import count_tokens
 
     referenced = {item["block_id"] for item in decisions if item["status"] == "referenced"}
-    return sum(count_tokens(block.text) for block in blocks if block.id in referenced)
+    partial_chars = sum(item.get("saved_chars", 0) for item in decisions if item["status"] == "partial")
+    return sum(count_tokens(block.text) for block in blocks if block.id in referenced) + partial_chars // 4
 
 
 def prefix_key(tenant: str, request: ChatCompletionRequest) -> str:
