@@ -1,0 +1,294 @@
+"""Offline batch build of the context index: clustering, then the tree.
+
+Two clusterings, chosen by the number of distinct contexts ``n``:
+
+* ``n <= exact_limit`` (default 2,048): the paper's build. The full condensed distance matrix
+  (:func:`~cpmemory.core.distance.condensed_distances`) goes to scipy ``linkage(method="average")``.
+  Exact, O(n^2) memory. (On the 2-core reference machine scipy's average linkage alone takes ~11 s at n = 12,000,
+  which is why larger batches take the sparse route.)
+* ``n > exact_limit``: **sparse average linkage** over a candidate graph. Candidate pairs are the pairs of contexts
+  that share at least one *selective* block: blocks whose document frequency is at most a cap chosen so that the
+  candidate pairs fit a budget (``pair_budget_per_context * n``). Each candidate pair gets its exact distance
+  (:func:`~cpmemory.core.distance.pair_distances`); each context keeps its ``neighbors`` nearest candidates.
+  Average linkage then runs greedily on that graph, with every absent pair counted at distance exactly 1 (the
+  distance of contexts sharing nothing): the cluster distance is ``1 + sum(d_ij - 1) / (|A| |B|)`` over the
+  graph edges between A and B, updated by adding the sums of the two merged clusters. This is exact average
+  linkage on the graph; the approximation is only that pairs sharing nothing but very frequent blocks, and pairs
+  beyond each context's nearest ``neighbors``, count as sharing nothing. Memory O(n * neighbors).
+  Clusters left apart (no edge below distance 1) are then **grouped by anchor block**: repeatedly, each remaining
+  root is put with the other roots holding its most widely shared block under a new node (their intersection),
+  until no block is shared by two roots. This restores the frequent-block prefixes the graph left out.
+
+The tree is then assembled (:func:`assemble`): identical contexts share one leaf (done by the caller), each internal
+node holds the intersection of its children, internal nodes with an empty content, or the same content as their
+parent (an addition to the paper that keeps the tree shallow), are removed and their children relinked upwards,
+children are ordered by subtree size (largest first), and contents are aligned top-down.
+"""
+from __future__ import annotations
+
+import heapq
+from collections import Counter
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from cpmemory.core._index_node import IndexNode, aligned
+from cpmemory.core.distance import EncodedContexts, condensed_distances, pair_distances
+
+DEFAULT_EXACT_LIMIT = 2048
+DEFAULT_NEIGHBORS = 12
+DEFAULT_PAIR_BUDGET_PER_CONTEXT = 48
+
+
+@dataclass(frozen=True, slots=True)
+class BuildOptions:
+    """Tunables of the batch build (see the module docstring)."""
+
+    alpha: float = 0.001
+    exact_limit: int = DEFAULT_EXACT_LIMIT
+    neighbors: int = DEFAULT_NEIGHBORS
+    pair_budget_per_context: int = DEFAULT_PAIR_BUDGET_PER_CONTEXT
+
+
+@dataclass(slots=True)
+class ClusterForest:
+    """Clusters over ``n`` leaves: ids ``0..n-1`` are the leaves, later ids are internal (children have lower ids).
+
+    Attributes:
+        children: children of each cluster (empty for leaves).
+        contents: block ints held by each cluster (a leaf's blocks; an internal node's intersection).
+        distances: the merge distance of each cluster (0 for leaves and anchor groups).
+        roots: the clusters that have no parent.
+        exact: True when built by exact scipy linkage.
+    """
+
+    children: list[list[int]]
+    contents: list[frozenset[int]]
+    distances: list[float]
+    roots: list[int]
+    exact: bool
+
+    def add(self, children: list[int], distance: float) -> int:
+        """Create a cluster over ``children`` (content = intersection); returns its id."""
+        content = self.contents[children[0]].intersection(*(self.contents[c] for c in children[1:]))
+        self.children.append(children)
+        self.contents.append(content)
+        self.distances.append(distance)
+        return len(self.children) - 1
+
+
+def cluster(encoded: EncodedContexts, options: BuildOptions) -> ClusterForest:
+    """Cluster the (distinct) contexts of ``encoded``. Pure; see the module docstring for the two regimes."""
+    n = encoded.size
+    rows = [frozenset(encoded.row(i).tolist()) for i in range(n)]
+    forest = ClusterForest([[] for _ in range(n)], rows, [0.0] * n, [], exact=n <= options.exact_limit)
+    if n == 1:
+        forest.roots = [0]
+    elif forest.exact:
+        _exact_linkage(encoded, forest, options.alpha)
+    else:
+        left, right, dist = _candidate_edges(encoded, options)
+        _sparse_average_linkage(forest, left, right, dist)
+        _group_by_anchor(forest)
+    return forest
+
+
+def _exact_linkage(encoded: EncodedContexts, forest: ClusterForest, alpha: float) -> None:
+    from scipy.cluster.hierarchy import linkage
+
+    merges = linkage(condensed_distances(encoded, alpha), method="average")
+    for left, right, distance, _count in merges:
+        forest.add([int(left), int(right)], float(distance))
+    forest.roots = [len(forest.children) - 1]
+
+
+def _selective_cap(document_frequency: np.ndarray, budget: int) -> int:
+    """Largest document frequency whose blocks' pairs, all counted, stay within ``budget``."""
+    frequencies = np.arange(document_frequency.max(initial=0) + 1)
+    blocks_per_frequency = np.bincount(document_frequency, minlength=frequencies.size)
+    pairs = np.cumsum(blocks_per_frequency * frequencies * (frequencies - 1) // 2)
+    within = np.nonzero(pairs <= budget)[0]
+    return int(within[-1]) if within.size else 1
+
+
+def _candidate_edges(encoded: EncodedContexts, options: BuildOptions) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Pairs sharing a selective block, pruned to each context's nearest ``neighbors``; with exact distances."""
+    n = encoded.size
+    document_frequency = np.bincount(encoded.indices, minlength=encoded.vocabulary_size)
+    cap = _selective_cap(document_frequency, options.pair_budget_per_context * n)
+    row_of_entry = np.repeat(np.arange(n, dtype=np.int64), encoded.lengths)
+    frequency_of_entry = document_frequency[encoded.indices]
+    keep = (frequency_of_entry >= 2) & (frequency_of_entry <= cap)
+    order = np.lexsort((row_of_entry[keep], encoded.indices[keep]))
+    owners, frequencies = row_of_entry[keep][order], frequency_of_entry[keep][order]
+    lefts, rights = [], []
+    for frequency in np.unique(frequencies):  # blocks grouped by frequency: one (blocks x frequency) matrix each
+        members = owners[frequencies == frequency].reshape(-1, frequency)
+        first, second = np.triu_indices(int(frequency), 1)
+        lefts.append(members[:, first].ravel())
+        rights.append(members[:, second].ravel())
+    if not lefts:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0)
+    pair_keys = np.unique(np.concatenate(lefts) * n + np.concatenate(rights))
+    left, right = pair_keys // n, pair_keys % n
+    dist = pair_distances(encoded, left, right, options.alpha)
+    return _nearest(left, right, dist, n, options.neighbors)
+
+
+def _nearest(
+    left: np.ndarray, right: np.ndarray, dist: np.ndarray, n: int, neighbors: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Keep the edges that are among the ``neighbors`` nearest of either endpoint."""
+    both_from = np.concatenate([left, right])
+    both_dist = np.concatenate([dist, dist])
+    edge = np.concatenate([np.arange(left.size), np.arange(left.size)])
+    order = np.lexsort((edge, both_dist, both_from))
+    starts = np.searchsorted(both_from[order], np.arange(n))
+    rank = np.arange(order.size) - starts[both_from[order]]
+    selected = np.zeros(left.size, dtype=bool)
+    selected[edge[order][rank < neighbors]] = True
+    return left[selected], right[selected], dist[selected]
+
+
+def _sparse_average_linkage(forest: ClusterForest, left: np.ndarray, right: np.ndarray, dist: np.ndarray) -> None:
+    """Greedy average linkage on a sparse graph where absent pairs are at distance 1 (module docstring)."""
+    n = len(forest.children)
+    excess: list[dict[int, float] | None] = [{} for _ in range(n)]  # cluster -> {neighbor: sum(d_ij - 1)}
+    for a, b, d in zip(left.tolist(), right.tolist(), dist.tolist()):
+        excess[a][b] = excess[b][a] = d - 1.0  # type: ignore[index]
+    heap = [(d, a, b) for a, b, d in zip(left.tolist(), right.tolist(), dist.tolist()) if d < 1.0]
+    heapq.heapify(heap)
+    size = [1] * n
+    alive = [True] * n
+    while heap:
+        distance, a, b = heapq.heappop(heap)
+        if not (alive[a] and alive[b]):
+            continue
+        merged = forest.add([a, b], distance)
+        alive[a] = alive[b] = False
+        alive.append(True)
+        size.append(size[a] + size[b])
+        excess.append(_merge_neighbors(excess, a, b, merged))
+        merged_size = size[merged]
+        for other, total in excess[merged].items():  # type: ignore[union-attr]
+            new_distance = 1.0 + total / (merged_size * size[other])
+            if new_distance < 1.0:
+                heapq.heappush(heap, (new_distance, merged, other))
+    forest.roots = [c for c in range(len(alive)) if alive[c]]
+
+
+def _merge_neighbors(excess: list[dict[int, float] | None], a: int, b: int, merged: int) -> dict[int, float]:
+    """Combine the neighbor sums of ``a`` and ``b`` into the new cluster's, updating every neighbor. O(deg)."""
+    big, small = excess[a], excess[b]
+    assert big is not None and small is not None
+    if len(big) < len(small):
+        big, small = small, big
+    for key in (a, b):
+        big.pop(key, None)
+        small.pop(key, None)
+    for other, total in small.items():
+        big[other] = big.get(other, 0.0) + total
+    for other, total in big.items():
+        row = excess[other]
+        assert row is not None
+        row.pop(a, None)
+        row.pop(b, None)
+        row[merged] = total
+    excess[a] = excess[b] = None
+    return big
+
+
+def _group_by_anchor(forest: ClusterForest) -> None:
+    """Group the remaining roots by their most widely shared block until no block is shared by two roots."""
+    roots = forest.roots
+    while len(roots) > 1:
+        counts = Counter(block for root in roots for block in forest.contents[root])
+        groups: dict[int, list[int]] = {}
+        loose: list[int] = []
+        for root in roots:
+            shared = [(counts[block], -block) for block in forest.contents[root] if counts[block] >= 2]
+            if shared:
+                groups.setdefault(-max(shared)[1], []).append(root)
+            else:
+                loose.append(root)
+        formed = [forest.add(members, 1.0) for members in groups.values() if len(members) >= 2]
+        if not formed:
+            break
+        loose.extend(members[0] for members in groups.values() if len(members) == 1)
+        roots = formed + loose
+    forest.roots = roots
+
+
+class NodeIds:
+    """A callable handing out increasing node ids (one per index)."""
+
+    __slots__ = ("next_id",)
+
+    def __init__(self, start: int = 0) -> None:
+        self.next_id = start
+
+    def __call__(self) -> int:
+        value = self.next_id
+        self.next_id += 1
+        return value
+
+
+def assemble(
+    forest: ClusterForest,
+    leaf_keys: Sequence[Sequence[Hashable]],
+    leaf_request_ids: Sequence[Sequence[Hashable]],
+    vocabulary: Sequence[Hashable],
+    new_id: NodeIds,
+) -> IndexNode:
+    """Turn a cluster forest into an aligned tree under a virtual root; returns the root. O(total content).
+
+    ``leaf_keys[i]`` is leaf ``i``'s context in its original order and ``leaf_request_ids[i]`` the requests it
+    stands for; internal contents are ordered as in their first (lowest-numbered) leaf, then aligned top-down
+    behind the parent's content.
+    """
+    total = len(forest.children)
+    size = [1] * total
+    first_leaf = list(range(total))
+    for c in range(len(leaf_keys), total):
+        size[c] = sum(size[child] for child in forest.children[c])
+        first_leaf[c] = min(first_leaf[child] for child in forest.children[c])
+    root = IndexNode(new_id(), (), leaf=False)
+    stack: list[tuple[list[int], IndexNode]] = [(forest.roots, root)]
+    while stack:
+        clusters, parent = stack.pop()
+        for child in _flatten(forest, clusters, len(parent.content), size, first_leaf, len(leaf_keys)):
+            keys = leaf_keys[child] if child < len(leaf_keys) else _ordered(forest, child, leaf_keys, first_leaf, vocabulary)
+            node = IndexNode(new_id(), aligned(parent.content, keys), leaf=child < len(leaf_keys))
+            node.merge_distance = forest.distances[child]
+            parent.add_child(node)
+            if child >= len(leaf_keys):
+                stack.append((forest.children[child], node))
+            else:
+                node.request_ids = dict.fromkeys(leaf_request_ids[child])
+    return root
+
+
+def _flatten(
+    forest: ClusterForest, clusters: list[int], parent_length: int, size: list[int], first_leaf: list[int], n: int
+) -> list[int]:
+    """Children to attach, skipping internal clusters whose content is no longer than the parent's."""
+    def order_key(c: int) -> tuple[int, int]:
+        return (-size[c], first_leaf[c])
+
+    out: list[int] = []
+    stack = sorted(clusters, key=order_key, reverse=True)
+    while stack:
+        c = stack.pop()
+        if c >= n and len(forest.contents[c]) <= parent_length:
+            stack.extend(sorted(forest.children[c], key=order_key, reverse=True))
+        else:
+            out.append(c)
+    return out
+
+
+def _ordered(
+    forest: ClusterForest, c: int, leaf_keys: Sequence[Sequence[Hashable]], first_leaf: list[int], vocabulary: Sequence[Hashable]
+) -> list[Hashable]:
+    content = {vocabulary[block] for block in forest.contents[c]}
+    return [key for key in leaf_keys[first_leaf[c]] if key in content]
