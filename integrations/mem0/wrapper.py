@@ -17,22 +17,20 @@ method passes through unchanged. The conversation is ``conversation_id`` if give
 """
 from __future__ import annotations
 
-import logging
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from cpmemory.core.blocks import Block
 from cpmemory.errors import UnknownReservationError
-from integrations._common import PendingTurns, passthrough_messages
+from integrations._common import PassthroughWarning, PendingTurns, passthrough_messages
 from integrations.mem0.results import (
     ParsedResults,
     assemble_passthrough,
     assemble_prepared,
     parse_search_results,
 )
-
-logger = logging.getLogger(__name__)
 
 NO_CONVERSATION_REASON = "no conversation id (pass run_id or conversation_id)"
 _PASSTHROUGH_KEY = "\x00passthrough"  # cannot collide with a conversation id (a NUL never comes from Mem0)
@@ -94,7 +92,11 @@ class _Mem0Adapter:
         return run_id if isinstance(run_id, str) and run_id else None
 
     def _passthrough(self, query: str, parsed: ParsedResults, history: Sequence[Mapping[str, str]] | None) -> Any:
-        logger.warning("cpmemory: Mem0 search without run_id/conversation_id; results passed through unchanged")
+        warnings.warn(
+            "CpMemoryMem0: search without run_id or conversation_id; results passed through in Mem0's order",
+            PassthroughWarning,
+            stacklevel=3,
+        )
         messages = passthrough_messages(query, parsed.blocks, history=history, system_prompt=self._system_prompt)
         self._pending.put(_PASSTHROUGH_KEY, PassthroughTurn(messages))
         return assemble_passthrough(parsed, NO_CONVERSATION_REASON)
