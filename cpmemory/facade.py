@@ -30,7 +30,7 @@ from cpmemory.core.blocks import BlockLike, normalize_blocks
 from cpmemory.errors import InvalidInputError, StoreUnavailableError, UnknownReservationError
 from cpmemory.session.config import CpMemoryConfig
 from cpmemory.session.counters import FacadeCounters
-from cpmemory.session.index import TenantIndexes
+from cpmemory.session.index import Placement, TenantIndexes
 from cpmemory.session.turns import (
     PreparedTurn,
     TurnInput,
@@ -171,7 +171,8 @@ class _FacadeCore:
 
         digest_of = {block.id: block.content_hash for block in blocks}
         request_id = uuid.uuid4().hex
-        self._indexes.insert(tenant, list(dict.fromkeys(digest_of[i] for i in ids)), request_id)
+        placement = self._indexes.place(tenant, list(dict.fromkeys(digest_of[i] for i in ids)), request_id)
+        self.counters.add(index_evictions=len(placement.evicted))
         return request_id
 
     def evict(self, request_ids: Iterable[str], *, tenant: str = "default") -> int:
@@ -197,11 +198,8 @@ class _NoIndex(TenantIndexes):
     def __init__(self) -> None:
         super().__init__(alpha=0.0, max_leaves=1)
 
-    def search(self, tenant: str, context: Sequence[Any]) -> tuple:
-        return ()
-
-    def insert(self, tenant: str, context: Sequence[Any], request_id: str) -> tuple[int, ...]:
-        return ()
+    def place(self, tenant: str, context: Sequence[Any], request_id: str) -> Placement:
+        return Placement()
 
 
 class CpMemory(_FacadeCore):

@@ -2,8 +2,8 @@
 
 The facade keeps one index per tenant (a tenant never sees another tenant's prefixes). The index is
 ``cpmemory.core.index.ContextIndex`` when that module is importable; otherwise a flat fallback that never finds a
-shared prefix (relevance order is kept), so the facade works whatever is installed. Each tenant's index is bounded:
-past ``max_leaves`` the oldest request is evicted first (an approximation of the engine's LRU).
+shared prefix (relevance order is kept), so the facade works whatever is installed. Each tenant's index is bounded
+by ``max_leaves`` (ContextIndex evicts its least recently used leaf; the fallback its oldest request).
 """
 from __future__ import annotations
 
@@ -33,22 +33,27 @@ class IndexLike(Protocol):
 class _FlatResult:
     path: tuple[int, ...] = ()
     prefix: tuple[Hashable, ...] = ()
+    evicted: tuple[Hashable, ...] = ()
 
 
 class FlatIndex:
-    """Fallback index: remembers request ids, never finds a shared prefix."""
+    """Fallback index: remembers request ids (oldest dropped past ``max_leaves``), never finds a shared prefix."""
 
-    def __init__(self) -> None:
-        self._requests: dict[str, tuple[Hashable, ...]] = {}
+    def __init__(self, max_leaves: int | None = None) -> None:
+        self._requests: OrderedDict[Hashable, tuple[Hashable, ...]] = OrderedDict()
+        self._max_leaves = max_leaves
 
     def search(self, context: Sequence[Hashable]) -> _FlatResult:
         """Return an empty prefix (keep the relevance order)."""
         return _FlatResult()
 
     def insert(self, context: Sequence[Hashable], request_id: str) -> _FlatResult:
-        """Remember ``request_id`` (mutates)."""
+        """Remember ``request_id`` (mutates), dropping the oldest requests past the cap."""
         self._requests[request_id] = tuple(context)
-        return _FlatResult()
+        evicted: list[Hashable] = []
+        while self._max_leaves is not None and len(self._requests) > self._max_leaves:
+            evicted.append(self._requests.popitem(last=False)[0])
+        return _FlatResult(evicted=tuple(evicted))
 
     def evict(self, request_id: str) -> bool:
         """Forget ``request_id``; False when unknown."""
@@ -58,21 +63,28 @@ class FlatIndex:
         return len(self._requests)
 
 
-def make_index(alpha: float) -> IndexLike:
+def make_index(alpha: float, max_leaves: int | None = None) -> IndexLike:
     """Return a new empty index: CORE's ContextIndex when importable, else the flat fallback."""
     try:
         from cpmemory.core.index import ContextIndex
     except ImportError:
-        return FlatIndex()
-    return ContextIndex(alpha=alpha)
+        return FlatIndex(max_leaves)
+    return ContextIndex(alpha=alpha, max_leaves=max_leaves)
 
 
 @dataclass(frozen=True, slots=True)
 class Placement:
-    """Where a request landed in its tenant's index."""
+    """Where a request landed in its tenant's index.
 
-    prefix: tuple[Hashable, ...]
-    search_path: tuple[int, ...]
+    Attributes:
+        prefix: blocks shared with the tree that the request should start with.
+        search_path: the path of the request's leaf.
+        evicted: request ids the index dropped to stay under its bound.
+    """
+
+    prefix: tuple[Hashable, ...] = ()
+    search_path: tuple[int, ...] = ()
+    evicted: tuple[Hashable, ...] = ()
 
 
 class TenantIndexes:
@@ -83,39 +95,27 @@ class TenantIndexes:
         self._max_leaves = max_leaves
         self._lock = threading.Lock()
         self._indexes: dict[str, IndexLike] = {}
-        self._requests: dict[str, OrderedDict[str, None]] = {}
 
     def _index(self, tenant: str) -> IndexLike:
         index = self._indexes.get(tenant)
         if index is None:
-            index = self._indexes[tenant] = make_index(self._alpha)
-            self._requests[tenant] = OrderedDict()
+            index = self._indexes[tenant] = make_index(self._alpha, self._max_leaves)
         return index
 
-    def search(self, tenant: str, context: Sequence[Hashable]) -> tuple[Hashable, ...]:
-        """Return the prefix the index holds for ``context`` (no mutation of the tree's shape)."""
-        if not context:
-            return ()
-        with self._lock:
-            return tuple(self._index(tenant).search(context).prefix)
+    def place(self, tenant: str, context: Sequence[Hashable], request_id: str) -> Placement:
+        """Insert ``context`` (distinct keys, relevance order) as request ``request_id`` (mutates).
 
-    def insert(self, tenant: str, context: Sequence[Hashable], request_id: str) -> tuple[int, ...]:
-        """Insert ``context`` as request ``request_id``, evicting the oldest requests past the bound (mutates).
-
-        Returns:
-            The search path of the new leaf (empty for the flat fallback or an empty context).
+        One tree descent: the insert reports the prefix the request should start with. O(height * |context|).
         """
         if not context:
-            return ()
+            return Placement()
         with self._lock:
-            index = self._index(tenant)
-            result = index.insert(list(context), request_id)
-            requests = self._requests[tenant]
-            requests[request_id] = None
-            while len(requests) > self._max_leaves:
-                oldest, _ = requests.popitem(last=False)
-                index.evict(oldest)
-            return tuple(getattr(result, "path", ()) or ())
+            result = self._index(tenant).insert(list(context), request_id)
+        return Placement(
+            tuple(getattr(result, "prefix", ()) or ()),
+            tuple(getattr(result, "path", ()) or ()),
+            tuple(getattr(result, "evicted", ()) or ()),
+        )
 
     def evict(self, tenant: str, request_ids: Iterable[str]) -> int:
         """Remove the leaves of ``request_ids`` from the tenant's index; return how many existed."""
@@ -123,24 +123,18 @@ class TenantIndexes:
             index = self._indexes.get(tenant)
             if index is None:
                 return 0
-            requests = self._requests[tenant]
-            removed = 0
-            for request_id in request_ids:
-                requests.pop(request_id, None)
-                removed += bool(index.evict(request_id))
-            return removed
+            return sum(bool(index.evict(request_id)) for request_id in request_ids)
 
     def reset(self, tenant: str | None = None) -> None:
         """Drop one tenant's index, or every index when ``tenant`` is None."""
         with self._lock:
             if tenant is None:
                 self._indexes.clear()
-                self._requests.clear()
             else:
                 self._indexes.pop(tenant, None)
-                self._requests.pop(tenant, None)
 
     def size(self, tenant: str) -> int:
-        """Number of requests remembered for ``tenant``."""
+        """Number of requests in ``tenant``'s index."""
         with self._lock:
-            return len(self._requests.get(tenant, ()))
+            index = self._indexes.get(tenant)
+            return 0 if index is None else len(index)

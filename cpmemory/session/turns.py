@@ -69,6 +69,7 @@ class PreparedTurn:
         order_annotated: True when the prompt carries an order annotation.
         saved_chars: characters not sent because of de-duplication.
         query: the question.
+        index_evictions: requests the tenant's index dropped to stay bounded when this one was inserted.
     """
 
     reservation_id: str
@@ -84,6 +85,7 @@ class PreparedTurn:
     order_annotated: bool = False
     saved_chars: int = 0
     query: str = field(default="", repr=False)
+    index_evictions: int = 0
 
     @property
     def key(self) -> ConversationKey:
@@ -271,12 +273,13 @@ def plan_turn(
     decisions = decide_blocks(turn_input, reservation, history, config)
     shown = shown_indices(decisions)
     tenant = turn_input.key.tenant
-    context = list(dict.fromkeys(turn_input.digests[i] for i in shown))
-    prefix = () if turn_input.prompt_order is not None else indexes.search(tenant, context)
-    order = arrange(turn_input, shown, prefix)
-    request_id = uuid.uuid4().hex if order else ""
-    ordered_context = list(dict.fromkeys(turn_input.digests[i] for i in order))
-    path = indexes.insert(tenant, ordered_context, request_id) if order else ()
+    request_id = uuid.uuid4().hex if shown else ""
+    if turn_input.prompt_order is not None:
+        order = arrange(turn_input, shown, ())
+        placement = indexes.place(tenant, _context(turn_input, order), request_id)
+    else:
+        placement = indexes.place(tenant, _context(turn_input, shown), request_id)
+        order = arrange(turn_input, shown, placement.prefix)
     text, positions, annotated = render_user_message(turn_input, decisions, order, config)
     return PreparedTurn(
         reservation_id=reservation.reservation_id,
@@ -287,11 +290,17 @@ def plan_turn(
         messages=assemble_messages(turn_input.system_prompt, history, text),
         decisions=_block_decisions(turn_input, decisions, positions),
         prompt_order=[turn_input.blocks[i].id for i in order if decisions[i].in_full],
-        search_path=path,
+        search_path=placement.search_path,
         order_annotated=annotated,
+        index_evictions=len(placement.evicted),
         saved_chars=sum(decision.saved_chars for decision in decisions),
         query=turn_input.query,
     )
+
+
+def _context(turn_input: TurnInput, indices: Sequence[int]) -> list[str]:
+    """Distinct content hashes of the given blocks, in the given order (the index's keys)."""
+    return list(dict.fromkeys(turn_input.digests[i] for i in indices))
 
 
 def _block_decisions(
@@ -352,4 +361,5 @@ def turn_counts(turn: PreparedTurn, chars_per_token: float) -> dict[str, int]:
         "order_annotations": int(turn.order_annotated),
         "dedup_chars_saved": turn.saved_chars,
         "dedup_tokens_saved": int(turn.saved_chars / chars_per_token),
+        "index_evictions": turn.index_evictions,
     }

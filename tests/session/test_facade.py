@@ -265,3 +265,13 @@ def test_counters_track_savings() -> None:
     snapshot = mem.counters.snapshot()
     assert snapshot["blocks_referenced"] == 2 and snapshot["commits"] == 2
     assert snapshot["dedup_chars_saved"] == len(DOCS[1]) + len(DOCS[2])
+
+
+def test_cross_conversation_requests_share_a_prompt_prefix() -> None:
+    mem = CpMemory()
+    first = mem.prepare("alice", "q", blocks(2, 1, 3))
+    second = mem.prepare("bob", "q", blocks(2, 6, 1))
+    assert second.prompt_order[:2] == first.prompt_order[:2] and set(second.prompt_order[:2]) == {"1", "2"}
+    shared = first.messages[-1]["content"].split("\n\n")[:2]
+    assert second.messages[-1]["content"].split("\n\n")[:2] == shared
+    assert second.order_annotated and check_no_loss(blocks(2, 6, 1), second.messages).ok
