@@ -165,4 +165,7 @@ class PromptInput:
         history = value.get("history")
         if not isinstance(documents, (list, tuple)):
             raise InvalidInputError(f"'documents' must be a list, got {type(documents).__name__}")
+        for rank, document in enumerate(documents):
+            if not isinstance(document, Document):
+                raise InvalidInputError(f"document #{rank} is a {type(document).__name__}, not a Document")
         return cls(tuple(documents), question, None if history is None else tuple(history))
