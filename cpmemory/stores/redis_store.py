@@ -15,6 +15,7 @@ Clients must be created with ``decode_responses=False`` (the default): ids are b
 """
 from __future__ import annotations
 
+import asyncio
 import functools
 import json
 import secrets
@@ -337,8 +338,27 @@ class AsyncRedisSessionStore(_RedisStoreBase):
         factory = RedisCluster.from_url if cluster else aioredis.Redis.from_url
         return cls(factory(url, **config.client_kwargs()), config)
 
+    def __init__(self, client: Any, config: RedisStoreConfig | None = None) -> None:
+        super().__init__(client, config)
+        self._initialized = False
+        self._initializing: asyncio.Lock | None = None
+
+    async def _initialize_once(self) -> None:
+        # redis.asyncio.RedisCluster can race when many first commands run concurrently on a fresh client (one
+        # task's topology refresh closes connections another task is opening): initialise it once, up front.
+        initialize = getattr(self.client, "initialize", None)
+        if initialize is not None and hasattr(self.client, "nodes_manager"):
+            if self._initializing is None:
+                self._initializing = asyncio.Lock()
+            async with self._initializing:
+                if not self._initialized:
+                    await initialize()
+        self._initialized = True
+
     async def _run(self, call: ScriptCall) -> Any:
         with _unavailable_on_failure(self._errors, call.script):
+            if not self._initialized:
+                await self._initialize_once()
             return await self._scripts[call.script](keys=call.keys, args=call.args)
 
     async def reserve(self, key: ConversationKey, request: ReserveRequest) -> Reservation:
@@ -363,6 +383,8 @@ class AsyncRedisSessionStore(_RedisStoreBase):
     async def delete(self, key: ConversationKey) -> None:
         """Forget the conversation. One round trip (its keys share one slot)."""
         with _unavailable_on_failure(self._errors, "delete"):
+            if not self._initialized:
+                await self._initialize_once()
             await self.client.delete(*self._codec.key_names(key))
 
     async def close(self) -> None:

@@ -1,0 +1,138 @@
+"""Store test fixtures: every SessionStore backend behind one small factory, plus a local Redis Cluster.
+
+Backends: the in-memory store (manual clock), fakeredis (Lua through lupa), the real Redis on 127.0.0.1:6379
+(``CPM_REDIS_URL`` overrides; a key prefix unique to this run, deleted afterwards) and a local 3-master Redis Cluster
+started here with ``redis-server`` + ``redis-cli --cluster create`` and stopped at the end of the session.
+"""
+from __future__ import annotations
+
+import os
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+
+from cpmemory.bench.local_redis import LocalRedisCluster, redis_binaries_available
+from cpmemory.errors import StoreUnavailableError
+from cpmemory.stores.redis_store import AsyncRedisSessionStore, RedisSessionStore, RedisStoreConfig
+
+RUN_PREFIX = f"cpmtest-{uuid.uuid4().hex[:10]}"
+
+
+def redis_url() -> str:
+    """The real Redis used by the tests."""
+    return os.environ.get("CPM_REDIS_URL", "redis://127.0.0.1:6379/0")
+
+
+@dataclass
+class Backend:
+    """Makes fresh stores of one kind. ``sleep`` lets time pass (a manual clock for the in-memory store)."""
+
+    name: str
+    make_sync: Callable[[float], Any]
+    make_async: Callable[[float], Any]
+    sleep: Callable[[float], None]
+    timing_slack_s: float = 0.0
+
+
+class ManualClock:
+    """A monotonic clock moved by hand."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def _memory_backend() -> Backend:
+    from cpmemory.stores.memory import AsyncInMemorySessionStore, InMemorySessionStore
+
+    clock = ManualClock()
+    return Backend(
+        "memory",
+        lambda ttl: InMemorySessionStore(ttl_s=ttl, clock=clock),
+        lambda ttl: AsyncInMemorySessionStore(ttl_s=ttl, clock=clock),
+        clock.advance,
+    )
+
+
+def _fakeredis_backend() -> Backend:
+    fakeredis = pytest.importorskip("fakeredis")
+    pytest.importorskip("lupa", reason="fakeredis needs lupa for Lua scripts")
+    server = fakeredis.FakeServer()
+    config = lambda ttl: RedisStoreConfig(prefix=RUN_PREFIX, ttl_s=ttl)  # noqa: E731
+    return Backend(
+        "fakeredis",
+        lambda ttl: RedisSessionStore(fakeredis.FakeRedis(server=server), config(ttl)),
+        lambda ttl: AsyncRedisSessionStore(fakeredis.FakeAsyncRedis(server=server), config(ttl)),
+        time.sleep,
+        timing_slack_s=0.1,
+    )
+
+
+def _url_backend(name: str, url: str, cluster: bool) -> Backend:
+    def config(ttl: float) -> RedisStoreConfig:
+        return RedisStoreConfig(prefix=RUN_PREFIX, ttl_s=ttl, socket_timeout_s=5.0, connect_timeout_s=2.0)
+
+    return Backend(
+        name,
+        lambda ttl: RedisSessionStore.from_url(url, config(ttl), cluster=cluster),
+        lambda ttl: AsyncRedisSessionStore.from_url(url, config(ttl), cluster=cluster),
+        time.sleep,
+        timing_slack_s=0.1,
+    )
+
+
+@pytest.fixture(scope="session")
+def real_redis() -> Iterator[str]:
+    """URL of the real Redis (skips when it is not reachable); deletes this run's keys at the end."""
+    redis = pytest.importorskip("redis")
+    client = redis.Redis.from_url(redis_url(), socket_timeout=2, socket_connect_timeout=1)
+    try:
+        client.ping()
+    except redis.RedisError as error:
+        pytest.skip(f"real Redis not reachable at {redis_url()}: {error}")
+    yield redis_url()
+    for key in client.scan_iter(match=f"{RUN_PREFIX}:*", count=1000):
+        client.delete(key)
+    client.close()
+
+
+@pytest.fixture(scope="session")
+def redis_cluster() -> Iterator[LocalRedisCluster]:
+    """A local 3-master Redis Cluster for the whole session (skips without redis-server / redis-cli)."""
+    if not redis_binaries_available():
+        pytest.skip("redis-server / redis-cli not on PATH")
+    try:
+        cluster = LocalRedisCluster(masters=3).start()
+    except StoreUnavailableError as error:
+        pytest.skip(str(error))
+    yield cluster
+    cluster.close()
+
+
+@pytest.fixture(
+    params=[
+        "memory",
+        "fakeredis",
+        pytest.param("redis", marks=pytest.mark.redis),
+        pytest.param("cluster", marks=pytest.mark.cluster),
+    ]
+)
+def backend(request: pytest.FixtureRequest) -> Backend:
+    """Each backend in turn (the real-Redis ones are marked, and skipped when unavailable)."""
+    name = request.param
+    if name == "memory":
+        return _memory_backend()
+    if name == "fakeredis":
+        return _fakeredis_backend()
+    if name == "redis":
+        return _url_backend(name, request.getfixturevalue("real_redis"), cluster=False)
+    return _url_backend(name, request.getfixturevalue("redis_cluster").url, cluster=True)
