@@ -19,6 +19,7 @@ from langchain_core.messages import AIMessage, BaseMessage, HumanMessage, System
 from langchain_core.retrievers import BaseRetriever
 from langchain_core.runnables import RunnablePassthrough
 from langchain_core.vectorstores import InMemoryVectorStore
+from pydantic import Field
 
 from cpmemory.core.blocks import Block
 from cpmemory.core.invariants import check_no_loss
@@ -202,7 +203,7 @@ _docs = st.lists(st.tuples(_ids, _texts), max_size=6)
 class ListRetriever(BaseRetriever):
     """Returns whatever list it currently holds."""
 
-    documents: list[Document] = []
+    documents: list[Document] = Field(default_factory=list)
 
     def _get_relevant_documents(self, query: str, *, run_manager: CallbackManagerForRetrieverRun) -> list[Document]:
         return list(self.documents)

@@ -114,9 +114,8 @@ def test_every_memory_reaches_the_prompt_or_is_accounted_for(turns: list[list[di
         canned.payload = list(items) if bare_list else {"results": list(items)}
         found = wrapper.search("question", conversation_id="prop")
         out = found if bare_list else found["results"]
-        assert sorted(map(repr, (dict((k, v) for k, v in i.items() if k != "cpmemory") for i in out))) == sorted(
-            map(repr, items)
-        )
+        handed_back = [{key: value for key, value in item.items() if key != "cpmemory"} for item in out]
+        assert sorted(map(repr, handed_back)) == sorted(map(repr, items))
         sent = [i for i in sorted(out, key=lambda i: i["cpmemory"]["original_rank"])
                 if i["cpmemory"]["status"] not in ("empty", "duplicate")]
         blocks = [Block(str(i["cpmemory"]["original_rank"]), i["memory"]) for i in sent]
