@@ -7,6 +7,12 @@
 #   .ci/vllm.sh start NAME PORT KVPORT [ARGS] start a server in the background; waits for /health
 #   .ci/vllm.sh stop NAME                     stop the server started under NAME (by its PID file)
 #   .ci/vllm.sh status NAME                   print "up" or "down"
+#   .ci/vllm.sh ci-up                         install, build the model, start the two CI servers (in parallel),
+#                                             write .ci/vllm.env (the CPM_VLLM_* variables the tests read)
+#   .ci/vllm.sh ci-down                       stop the two CI servers
+#
+# The CI servers: cpm-main (port 18100, KV events tcp://127.0.0.1:15600, 1 GiB KV cache) and cpm-small
+# (port 18101, KV events :15601, a 4 MiB KV cache (15 usable blocks, 1,920 tokens), --max-model-len 1536: evictions come quickly).
 #
 # Environment (all optional):
 #   CPM_VLLM_VENV      venv location          (default /root/.cache/cpmemory/vllm-venv, i.e. outside the clone)
@@ -131,11 +137,47 @@ cmd_status() {
   if [ -f "$pidfile" ] && kill -0 "$(cat "$pidfile")" 2>/dev/null; then echo up; else echo down; fi
 }
 
+CI_ENV="$HERE/vllm.env"
+
+cmd_ci_up() {
+  cmd_install
+  cmd_build_model "$MODEL"
+  rm -f "$CI_ENV"
+  cmd_start cpm-main 18100 15600 & local main_pid=$!
+  CPM_VLLM_KV_BYTES=4194304 cmd_start cpm-small 18101 15601 --max-model-len 1536 & local small_pid=$!
+  local failed=0
+  wait "$main_pid" || failed=1
+  wait "$small_pid" || failed=1
+  if [ "$failed" -ne 0 ]; then
+    cmd_ci_down
+    return 1
+  fi
+  cat > "$CI_ENV" <<ENV
+export CPM_VLLM_URL=http://127.0.0.1:18100
+export CPM_VLLM_KV_ENDPOINT=tcp://127.0.0.1:15600
+export CPM_VLLM_NAME=cpm-main
+export CPM_VLLM_SMALL_URL=http://127.0.0.1:18101
+export CPM_VLLM_SMALL_KV_ENDPOINT=tcp://127.0.0.1:15601
+export CPM_VLLM_URL_2=http://127.0.0.1:18101
+export CPM_VLLM_NAME_2=cpm-small
+export CPM_VLLM_SH=$HERE/vllm.sh
+ENV
+  log "servers up; environment in $CI_ENV"
+}
+
+cmd_ci_down() {
+  cmd_stop cpm-main
+  cmd_stop cpm-small
+  rm -f "$CI_ENV"
+}
+
 case "${1:-}" in
+  ci-up) cmd_ci_up ;;
+  ci-down) cmd_ci_down ;;
   install) cmd_install ;;
   build-model) shift; cmd_build_model "$@" ;;
   start) shift; [ $# -ge 3 ] || { log "usage: start NAME PORT KVPORT [ARGS]"; exit 2; }; cmd_start "$@" ;;
   stop) shift; [ $# -ge 1 ] || { log "usage: stop NAME"; exit 2; }; cmd_stop "$1" ;;
   status) shift; cmd_status "$1" ;;
-  *) sed -n '2,19p' "$0"; exit 2 ;;
+  *) sed -n '2,25p' "$0"; exit 2 ;;
 esac

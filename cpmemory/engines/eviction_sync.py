@@ -27,9 +27,9 @@ from __future__ import annotations
 import logging
 import threading
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from cpmemory.engines.block_hashes import BlockHasher, external_hash
 from cpmemory.engines.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
@@ -37,6 +37,20 @@ from cpmemory.engines.kv_events import AllBlocksCleared, BlockRemoved, BlockStor
 logger = logging.getLogger(__name__)
 
 DEFAULT_TENANT = "default"
+
+
+class PromptTokenizer(Protocol):
+    """Anything that tokenizes chat messages as the engine does (``EngineClient`` satisfies it)."""
+
+    def tokenize(self, messages: Sequence[Mapping[str, Any]] | None = None) -> list[int]:
+        """Token ids of ``messages`` with the chat template and generation prompt applied."""
+
+
+class CacheConfigSource(Protocol):
+    """Anything that reports the engine's KV-cache configuration (``EngineClient`` satisfies it)."""
+
+    def cache_config(self) -> Any:
+        """An object with ``block_size`` and ``hash_algorithm``."""
 
 
 class IndexEvictor(Protocol):
@@ -92,6 +106,12 @@ class EvictionSync:
         # stored block needs the parent's full digest, the event only carries 64 bits of it.
         self._digest_of: dict[int, bytes] = {}
 
+    @classmethod
+    def for_engine(cls, target: IndexEvictor, engine: CacheConfigSource) -> EvictionSync:
+        """Build a sync whose hasher follows the engine's block size and hash algorithm (one ``/metrics`` call)."""
+        config = engine.cache_config()
+        return cls(target, BlockHasher(config.block_size, config.hash_algorithm))
+
     # -- registration -------------------------------------------------------------------------------------
     def register(self, request_id: str, token_ids: Sequence[int], *, tenant: str = DEFAULT_TENANT,
                  cache_salt: str | None = None) -> tuple[int, ...]:
@@ -103,6 +123,16 @@ class EvictionSync:
         hashes = tuple(self.hasher.hashes(token_ids, cache_salt=cache_salt))
         self.register_hashes(request_id, hashes, tenant=tenant)
         return hashes
+
+    def register_messages(self, tokenizer: PromptTokenizer, request_id: str,
+                          messages: Sequence[Mapping[str, Any]], *, tenant: str = DEFAULT_TENANT,
+                          cache_salt: str | None = None) -> tuple[int, ...]:
+        """Tokenize ``messages`` through the engine (``/tokenize``) and register them. One HTTP call.
+
+        Raises:
+            EngineError: the engine could not tokenize (nothing is registered).
+        """
+        return self.register(request_id, tokenizer.tokenize(messages), tenant=tenant, cache_salt=cache_salt)
 
     def register_hashes(self, request_id: str, hashes: Iterable[int], *, tenant: str = DEFAULT_TENANT) -> None:
         """Record ``request_id`` as needing the given block hashes (already in the 64-bit event form)."""

@@ -1,0 +1,219 @@
+"""An in-process fake of a vLLM OpenAI server, for unit tests and examples (no network, no model).
+
+:class:`MockEngine` answers the endpoints cpmemory uses through httpx's transport seam::
+
+    engine = MockEngine(block_size=16, capacity_blocks=64)
+    client = EngineClient("http://mock", transport=engine.transport())
+
+It behaves like vLLM's automatic prefix caching where cpmemory can observe it: prompts are tokenized (ChatML
+template, one token per UTF-8 byte), cut into full blocks named by vLLM's chained hashes
+(:class:`~cpmemory.engines.block_hashes.BlockHasher`), a request's ``cached_tokens`` is the length of its
+leading run of cached blocks, and the cache is LRU over ``capacity_blocks`` blocks. Every change is published as
+a KV-event batch (``BlockStored`` / ``BlockRemoved`` / ``AllBlocksCleared``) to ``listener`` (which receives the
+encoded ZMQ frames, exactly as a subscriber would) and kept in ``batches``.
+
+Optional behaviour for tests: ``prefill_s_per_token`` sleeps per uncached prompt token (so TTFT depends on the
+cache), and :meth:`MockEngine.fail_next`, :meth:`MockEngine.hang_next` and ``down`` inject errors, timeouts and
+connection failures. The mock is thread-safe (one lock).
+"""
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from cpmemory.engines.block_hashes import BlockHasher
+from cpmemory.engines.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, KVEvent, encode_frames
+from cpmemory.errors import MissingDependencyError
+
+FrameListener = Callable[[list[bytes]], None]
+_TOKEN_OFFSET = 3  # ids 0..2 are the special tokens, as in the tiny model's tokenizer
+
+
+def render_chatml(messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> str:
+    """The ChatML text a chat template renders (the tiny model's template)."""
+    text = "".join(f"<|im_start|>{message['role']}\n{message.get('content') or ''}<|im_end|>\n"
+                   for message in messages)
+    return text + ("<|im_start|>assistant\n" if add_generation_prompt else "")
+
+
+def mock_tokenize(text: str) -> list[int]:
+    """One token per UTF-8 byte (prefix-stable: a text's prefix tokenizes to a prefix)."""
+    return [byte + _TOKEN_OFFSET for byte in text.encode("utf-8")]
+
+
+class MockEngine:
+    """A fake OpenAI-compatible engine with an LRU prefix cache and KV events. See the module docstring."""
+
+    def __init__(self, *, block_size: int = 16, capacity_blocks: int = 256, model: str = "tiny",
+                 prefill_s_per_token: float = 0.0, listener: FrameListener | None = None) -> None:
+        self.hasher = BlockHasher(block_size)
+        self.capacity_blocks = capacity_blocks
+        self.model = model
+        self.prefill_s_per_token = prefill_s_per_token
+        self.listener = listener
+        self.down = False
+        self.batches: list[EventBatch] = []
+        self.requests: list[dict[str, Any]] = []
+        self._lock = threading.Lock()
+        self._cache: OrderedDict[int, None] = OrderedDict()
+        self._sequence = 0
+        self._failures: list[int] = []
+        self._hangs = 0
+        self._queries = 0
+        self._hits = 0
+
+    # -- test controls --------------------------------------------------------------------------------------
+    def fail_next(self, count: int = 1, status: int = 500) -> None:
+        """Answer the next ``count`` requests with HTTP ``status``."""
+        with self._lock:
+            self._failures.extend([status] * count)
+
+    def hang_next(self, count: int = 1) -> None:
+        """Let the next ``count`` requests time out (httpx.ReadTimeout), as a hung engine would."""
+        with self._lock:
+            self._hangs += count
+
+    def cached_blocks(self) -> list[int]:
+        """Hashes of the cached blocks, least recently used first."""
+        with self._lock:
+            return list(self._cache)
+
+    def transport(self):
+        """An httpx transport (usable by sync and async clients) that routes requests to this engine."""
+        try:
+            import httpx
+        except ImportError as error:
+            raise MissingDependencyError("engines", "httpx") from error
+        return httpx.MockTransport(self.handle)
+
+    # -- HTTP -----------------------------------------------------------------------------------------------
+    def handle(self, request):
+        """Answer one httpx request (the MockTransport handler)."""
+        import httpx
+
+        if self.down:
+            raise httpx.ConnectError("mock engine is down", request=request)
+        with self._lock:
+            status = self._failures.pop(0) if self._failures else None
+            hang = self._hangs > 0
+            self._hangs -= int(hang)
+        if hang:
+            raise httpx.ReadTimeout("mock engine hung", request=request)
+        if status is not None:
+            return httpx.Response(status, json={"error": {"message": "injected failure", "code": status}})
+        routes = {("POST", "/v1/chat/completions"): self._chat, ("POST", "/tokenize"): self._tokenize,
+                  ("GET", "/metrics"): self._metrics, ("GET", "/health"): lambda _request: httpx.Response(200),
+                  ("POST", "/reset_prefix_cache"): self._reset}
+        route = routes.get((request.method, request.url.path))
+        if route is None:
+            return httpx.Response(404, json={"error": {"message": "not found"}})
+        return route(request)
+
+    def _tokenize(self, request):
+        import httpx
+
+        body = json.loads(request.content or b"{}")
+        if "messages" in body:
+            text = render_chatml(body["messages"], body.get("add_generation_prompt", True))
+        else:
+            text = str(body.get("prompt", ""))
+        tokens = mock_tokenize(text)
+        return httpx.Response(200, json={"count": len(tokens), "tokens": tokens, "max_model_len": 1 << 20})
+
+    def _metrics(self, _request):
+        import httpx
+
+        with self._lock:
+            lines = [
+                f'vllm:cache_config_info{{block_size="{self.hasher.block_size}",enable_prefix_caching="True",'
+                f'num_gpu_blocks="{self.capacity_blocks}",prefix_caching_hash_algo="{self.hasher.algorithm}"}} 1.0',
+                f'vllm:prefix_cache_queries_total{{model_name="{self.model}"}} {self._queries}',
+                f'vllm:prefix_cache_hits_total{{model_name="{self.model}"}} {self._hits}',
+            ]
+        return httpx.Response(200, text="\n".join(lines) + "\n")
+
+    def _reset(self, _request):
+        import httpx
+
+        with self._lock:
+            self._cache.clear()
+            self._publish([AllBlocksCleared()])
+        return httpx.Response(200, json={"success": True})
+
+    def _chat(self, request):
+        import httpx
+
+        body = json.loads(request.content or b"{}")
+        request_id = request.headers.get("x-request-id") or body.get("request_id") or f"mock-{len(self.requests)}"
+        tokens = mock_tokenize(render_chatml(body.get("messages") or []))
+        cached = self._run_prefill(tokens, body.get("cache_salt"))
+        self.requests.append({"request_id": request_id, "body": body, "cached_tokens": cached})
+        if self.prefill_s_per_token:
+            time.sleep((len(tokens) - cached) * self.prefill_s_per_token)
+        usage = {"prompt_tokens": len(tokens), "completion_tokens": 1, "total_tokens": len(tokens) + 1,
+                 "prompt_tokens_details": {"cached_tokens": cached}}
+        response_id = f"chatcmpl-{request_id}"
+        if not body.get("stream"):
+            return httpx.Response(200, json={
+                "id": response_id, "object": "chat.completion", "model": self.model, "usage": usage,
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"},
+                             "finish_reason": "length"}]})
+        chunks = [{"id": response_id, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]},
+                  {"id": response_id, "choices": [{"index": 0, "delta": {"content": "ok"},
+                                                   "finish_reason": "length"}]}]
+        if (body.get("stream_options") or {}).get("include_usage"):
+            chunks.append({"id": response_id, "choices": [], "usage": usage})
+        text = "".join(f"data: {json.dumps(chunk)}\n\n" for chunk in chunks) + "data: [DONE]\n\n"
+        return httpx.Response(200, text=text, headers={"content-type": "text/event-stream"})
+
+    # -- cache ----------------------------------------------------------------------------------------------
+    def _run_prefill(self, tokens: Sequence[int], cache_salt: str | None) -> int:
+        """Match the leading cached blocks, store the rest, evict LRU blocks; publish events. Returns cached tokens."""
+        hashes = self.hasher.hashes(tokens, cache_salt=cache_salt)
+        size = self.hasher.block_size
+        with self._lock:
+            hits = 0
+            while hits < len(hashes) and hashes[hits] in self._cache:
+                self._cache.move_to_end(hashes[hits])
+                hits += 1
+            # like vLLM, always compute at least the last prompt token
+            cached = min(hits * size, ((len(tokens) - 1) // size) * size)
+            self._queries += len(tokens)
+            self._hits += cached
+            events: list[KVEvent] = []
+            new = hashes[hits:]
+            removed = self._make_room(len(new), keep=set(hashes[:hits]))
+            if removed:
+                events.append(BlockRemoved(block_hashes=tuple(removed), medium="GPU"))
+            if new:
+                for block_hash in new:
+                    self._cache[block_hash] = None
+                extra = tuple([cache_salt] if cache_salt and index == 0 else None for index in range(hits, len(hashes)))
+                events.append(BlockStored(
+                    block_hashes=tuple(new), parent_block_hash=hashes[hits - 1] if hits else None,
+                    token_ids=tuple(tokens[hits * size:len(hashes) * size]), block_size=size,
+                    extra_keys=extra, medium="GPU"))
+            if events:
+                self._publish(events)
+        return cached
+
+    def _make_room(self, needed: int, keep: set[int]) -> list[int]:
+        removed: list[int] = []
+        for block_hash in list(self._cache):
+            if len(self._cache) + needed <= self.capacity_blocks:
+                break
+            if block_hash not in keep:
+                del self._cache[block_hash]
+                removed.append(block_hash)
+        return removed
+
+    def _publish(self, events: list[KVEvent]) -> None:
+        batch = EventBatch(sequence=self._sequence, timestamp=time.time(), events=tuple(events))
+        self._sequence += 1
+        self.batches.append(batch)
+        if self.listener is not None:
+            self.listener(encode_frames(batch))
