@@ -31,6 +31,7 @@ from cpmemory.errors import InvalidInputError, StoreUnavailableError, UnknownRes
 from cpmemory.session.config import CpMemoryConfig
 from cpmemory.session.counters import FacadeCounters
 from cpmemory.session.index import Placement, TenantIndexes
+from cpmemory.session.segments import SegmentCache
 from cpmemory.session.turns import (
     PreparedTurn,
     TurnInput,
@@ -81,6 +82,7 @@ class _FacadeCore:
         self._pending: OrderedDict[str, tuple[float, PreparedTurn]] = OrderedDict()
         self._pending_lock = threading.Lock()
         self._outage = False
+        self._segments = SegmentCache()
 
     # -- prepare -------------------------------------------------------------------------------------------------
     def _input(self, conversation_id: str, query: str, blocks: Iterable[BlockLike], **kwargs: Any) -> TurnInput:
@@ -90,8 +92,12 @@ class _FacadeCore:
         if self._outage:
             self._outage = False
             logger.warning("session store reachable again; de-duplication resumed")
+        source = None
+        if turn_input.history is None:
+            key = turn_input.key
+            source = lambda history: self._segments.for_history(key, history)  # noqa: E731
         try:
-            turn = plan_turn(turn_input, reservation, self._indexes, self.config)
+            turn = plan_turn(turn_input, reservation, self._indexes, self.config, source)
         except Exception:  # an index bug must not lose the request: fall back to relevance order
             logger.exception("context index failed; tenant index reset, request kept in relevance order")
             self.counters.add(index_errors=1)

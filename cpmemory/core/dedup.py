@@ -13,8 +13,9 @@ For each block of a request, in relevance order, the first rule that applies dec
 4. **resent**: the content was committed earlier but its text is not in the history sent now (truncated or replaced
    history). Sent in full.
 5. **partial**: the block's text is *mostly* present verbatim in the sent history. The text is cut into segments
-   (``split_segments``: lines, then sentences ending in ``.``, ``!`` or ``?``). A segment counts as present when it is
-   at least ``MIN_SEGMENT_CHARS`` (24) characters long and appears as a segment of a block shown earlier in the history.
+   (``split_segments``: lines, then sentences ending in ``.``, ``!`` or ``?`` followed by a space). A segment counts as
+   present when it is at least ``MIN_SEGMENT_CHARS`` (24) characters long and appears as a segment of a block shown
+   earlier in the history (a line under a block header of a user message).
    If the present segments hold at least ``threshold`` (default 0.5, i.e. 50%) of the block's segment characters, only
    the other segments are sent, with a line naming the label(s) whose text holds the rest.
 6. **new**: anything else, sent in full.
@@ -24,7 +25,6 @@ given; with segments it adds O(len(text)) per candidate block.
 """
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol
@@ -37,16 +37,34 @@ Status = Literal["new", "referenced", "changed", "partial", "resent"]
 DEFAULT_PARTIAL_THRESHOLD = 0.5
 MIN_SEGMENT_CHARS = 24
 
-_SEGMENT_SPLIT_RE = re.compile(r"(?<=[.!?])[ \t]+|\n")
+_SENTENCE_MARKS = (". ", "! ", "? ")
 _STOP_LINE_PREFIXES = (annotations.ORDER_PREFIX, annotations.QUESTION_PREFIX, "(Rest of [")
 
 
-def split_segments(text: str) -> list[str]:
-    """Cut ``text`` into its non-empty segments: lines, then sentences (split after ``.``, ``!``, ``?`` + blank).
+def _split_line(line: str) -> list[str]:
+    pieces = [line]
+    for mark in _SENTENCE_MARKS:
+        if mark in line:
+            cut: list[str] = []
+            for piece in pieces:
+                parts = piece.split(mark)
+                cut.extend(part + mark[0] for part in parts[:-1])
+                cut.append(parts[-1])
+            pieces = cut
+    return pieces
 
-    Every segment is a verbatim substring of ``text``. Pure; O(len(text)).
+
+def split_segments(text: str) -> list[str]:
+    """Cut ``text`` into its non-blank segments: lines, then sentences (cut after ". ", "! " and "? ").
+
+    Every segment is a verbatim substring of ``text``. Pure; O(len(text)) with str methods only (no regex: this
+    runs for every new block of every request).
     """
-    return [segment for segment in _SEGMENT_SPLIT_RE.split(text) if segment.strip()]
+    out: list[str] = []
+    for line in text.split("\n"):
+        if line and not line.isspace():
+            out.extend(piece for piece in _split_line(line) if piece and not piece.isspace())
+    return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,43 +129,65 @@ class GivenHistory:
 class SegmentIndex:
     """Segments of the blocks shown earlier in a history, each with the label of the block holding it.
 
-    Built once per request from the history's user messages (O(total length)); lookups are O(1).
+    ``extend`` indexes more messages (O(their length)); ``holder`` is O(1). Each segment remembers the position of
+    the first message holding it, and a view made with ``limited_to(n)`` only sees segments of the first ``n``
+    messages: a cached index that grew for a longer history stays correct for a request sending a shorter one.
     """
 
-    __slots__ = ("_holders",)
+    __slots__ = ("_holders", "_messages", "_limit")
 
-    def __init__(self, holders: Mapping[str, str]) -> None:
-        self._holders = holders
+    def __init__(self) -> None:
+        self._holders: dict[str, tuple[str, int]] = {}
+        self._messages = 0
+        self._limit: int | None = None
 
     @classmethod
     def from_messages(cls, messages: Iterable[Mapping[str, str]]) -> SegmentIndex:
         """Index the segments under each block header of every user message in ``messages``."""
-        holders: dict[str, str] = {}
+        index = cls()
+        index.extend(messages)
+        return index
+
+    @property
+    def messages(self) -> int:
+        """How many messages were indexed."""
+        return self._messages
+
+    def extend(self, messages: Iterable[Mapping[str, str]]) -> None:
+        """Index further messages (mutates; the caller serialises concurrent extends)."""
         for message in messages:
             if message.get("role") == "user":
-                _index_message(message.get("content", ""), holders)
-        return cls(holders)
+                _index_message(message.get("content", ""), self._holders, self._messages)
+            self._messages += 1
+
+    def limited_to(self, messages: int) -> SegmentIndex:
+        """A read-only view that only sees segments of the first ``messages`` messages (O(1), shares the dict)."""
+        view = SegmentIndex.__new__(SegmentIndex)
+        view._holders, view._messages, view._limit = self._holders, min(messages, self._messages), messages
+        return view
 
     def holder(self, segment: str) -> str | None:
         """Return the label of the earlier block holding ``segment``, or None."""
-        return self._holders.get(segment)
+        found = self._holders.get(segment)
+        if found is None or (self._limit is not None and found[1] >= self._limit):
+            return None
+        return found[0]
 
     def __len__(self) -> int:
         return len(self._holders)
 
 
-def _index_message(content: str, holders: dict[str, str]) -> None:
+def _index_message(content: str, holders: dict[str, tuple[str, int]], position: int) -> None:
     current: str | None = None
     for line in content.split("\n"):
-        header = annotations.HEADER_RE.fullmatch(line)
-        if header:
-            current = header.group(1)
+        if line.startswith("[D") and line.endswith("]") and annotations.HEADER_RE.fullmatch(line):
+            current = line[1:-1]
         elif line.startswith(_STOP_LINE_PREFIXES) or line.endswith(annotations.REFERENCE_SUFFIX):
             current = None
-        elif current is not None:
-            for segment in _SEGMENT_SPLIT_RE.split(line):
+        elif current is not None and len(line) >= MIN_SEGMENT_CHARS:
+            for segment in _split_line(line):
                 if len(segment) >= MIN_SEGMENT_CHARS:
-                    holders.setdefault(segment, current)
+                    holders.setdefault(segment, (current, position))
 
 
 def partial_overlap(text: str, segments: SegmentIndex, threshold: float) -> DedupDecision | None:

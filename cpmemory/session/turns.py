@@ -6,7 +6,7 @@ placement, ordering, prompt) ; commit = store.commit(``commit_record``) ; a stor
 from __future__ import annotations
 
 import uuid
-from collections.abc import Hashable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,6 +20,7 @@ from cpmemory.core.dedup import (
     SegmentIndex,
     Status,
     decide,
+    partial_overlap,
 )
 from cpmemory.errors import InvalidBlockError, InvalidInputError
 from cpmemory.session.config import CpMemoryConfig
@@ -179,10 +180,22 @@ def sent_history(turn_input: TurnInput, reservation: Reservation | None) -> tupl
     return tuple(reservation.transcript)
 
 
+SegmentSource = Callable[[Sequence[Message]], SegmentIndex]
+
+
 def decide_blocks(
-    turn_input: TurnInput, reservation: Reservation, history: Sequence[Message], config: CpMemoryConfig
+    turn_input: TurnInput,
+    reservation: Reservation,
+    history: Sequence[Message],
+    config: CpMemoryConfig,
+    segment_source: SegmentSource | None = None,
 ) -> list[DedupDecision]:
-    """Run the dedup rules against the history this request sends. Pure."""
+    """Run the dedup rules against the history this request sends. Pure apart from ``segment_source``'s cache.
+
+    Args:
+        segment_source: returns the segment index of the history (cached for the stored transcript); by default
+            it is built from the history.
+    """
     view: HistoryView
     if turn_input.history is None:
         view = CommittedHistory(reservation.seen)
@@ -194,12 +207,12 @@ def decide_blocks(
         d.status == "new" and b.text for d, b in zip(decisions, turn_input.blocks)
     )
     if wants_partial:
-        segments = SegmentIndex.from_messages(history)
+        segments = (segment_source or SegmentIndex.from_messages)(history)
         if len(segments):
-            decisions = decide(
-                turn_input.blocks, turn_input.digests, view, segments=segments,
-                threshold=config.partial_overlap_threshold, **kwargs,
-            )
+            threshold = config.partial_overlap_threshold
+            for i, (decision, block) in enumerate(zip(decisions, turn_input.blocks)):
+                if decision.status == "new" and block.text:
+                    decisions[i] = partial_overlap(block.text, segments, threshold) or decision
     return decisions
 
 
@@ -266,11 +279,15 @@ def assemble_messages(system_prompt: str, history: Sequence[Message], user: str)
 
 
 def plan_turn(
-    turn_input: TurnInput, reservation: Reservation, indexes: TenantIndexes, config: CpMemoryConfig
+    turn_input: TurnInput,
+    reservation: Reservation,
+    indexes: TenantIndexes,
+    config: CpMemoryConfig,
+    segment_source: SegmentSource | None = None,
 ) -> PreparedTurn:
     """Decide dedup, place the request in the tenant's index, order and write the prompt (mutates the index only)."""
     history = sent_history(turn_input, reservation)
-    decisions = decide_blocks(turn_input, reservation, history, config)
+    decisions = decide_blocks(turn_input, reservation, history, config, segment_source)
     shown = shown_indices(decisions)
     tenant = turn_input.key.tenant
     request_id = uuid.uuid4().hex if shown else ""
