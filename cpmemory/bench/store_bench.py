@@ -1,9 +1,386 @@
-"""Placeholder command: replaced by the owning work stream."""
+"""``cpmemory bench store``: session-store latency, throughput and round trips (in-memory, Redis, Redis Cluster).
+
+Workload (:func:`make_workload`, seeded): ``conversations`` conversations of ``turns`` turns, 15 blocks per turn
+(about 600 characters each) retrieved from a per-conversation topic of a shared corpus; about half of each turn's
+blocks were already retrieved earlier in the conversation, so de-duplication has work to do. Each turn reserves with
+the turn's (block id, content hash) pairs and commits the user message (the blocks not seen before, in full), the
+answer and the blocks shown.
+
+Phases, per backend:
+
+* **sequential** (one conversation at a time, synchronous store): ``prepare_p50_ms`` / ``prepare_p99_ms`` are the
+  store's ``reserve`` as the facade issues it when the caller passes the history (no transcript read);
+  ``prepare_with_transcript_p50_ms`` is ``reserve`` also returning the stored transcript (facade with
+  ``history=None``); ``commit_p50_ms`` / ``commit_p99_ms``; ``facade_prepare_p50_ms`` is ``CpMemory.prepare``
+  (reserve + dedup + index + prompt) on the same store, history given by the caller.
+* **round trips**, counted on the client socket (every ``send_packed_command`` of the connection class is one
+  request/response exchange; a pipeline would count once), after one warm-up call that loads the scripts.
+* **concurrent** (asyncio store, all conversations at once): ``turns_per_second`` and the latency percentiles
+  under that load (``concurrent_prepare_p50_ms`` ...).
+
+The ``redis`` row uses ``--redis-url`` (a local ``redis-server`` on a spare port is started if it does not answer);
+the ``cluster`` row starts a 3-master cluster with :mod:`cpmemory.bench.local_redis` (skipped with a reason when
+``redis-server`` is missing). Keys live under a prefix unique to the run and are deleted afterwards.
+"""
 from __future__ import annotations
+
+import asyncio
+import json
+import random
+import statistics
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
+from typing import Any
 
 import typer
 
+from cpmemory.core.blocks import content_hash, label_for_hash
+from cpmemory.stores.base import ConversationKey, ReserveRequest, SeenBlock, TurnRecord
 
-def command(json_output: bool = typer.Option(False, "--json", help="Print one JSON object on stdout.")) -> None:
-    """Not built yet."""
-    raise typer.Exit(code=2)
+BACKENDS = ("memory", "redis", "cluster")
+BLOCKS_PER_TURN = 15
+KEPT_PER_TURN = 7
+TOPIC_SIZE = 60
+BLOCK_CHARS = 600
+_WORDS = ("context", "cache", "prefix", "memory", "agent", "token", "block", "query", "answer", "model", "index",
+          "turn", "session", "reuse", "latency", "retrieval", "document", "engine", "attention", "order")
+
+
+@dataclass(frozen=True, slots=True)
+class Block:
+    """One workload block: caller id, text and content hash."""
+
+    id: str
+    text: str
+    digest: str
+
+
+@dataclass(frozen=True, slots=True)
+class Workload:
+    """``turns[c][t]`` = the blocks of turn ``t`` of conversation ``c``, best-ranked first."""
+
+    turns: list[list[list[Block]]]
+    tenant: str = "bench"
+
+    @property
+    def conversations(self) -> int:
+        return len(self.turns)
+
+
+def make_workload(conversations: int, turns: int, seed: int = 0) -> Workload:
+    """Build the seeded workload described in the module docstring. Pure, deterministic."""
+    rng = random.Random(seed)
+    corpus_size = max(TOPIC_SIZE * 4, conversations * TOPIC_SIZE // 3)
+    corpus: list[Block] = []
+    for number in range(corpus_size):
+        words = " ".join(rng.choice(_WORDS) for _ in range(BLOCK_CHARS // 7))
+        text = f"Document {number}: {words}"[:BLOCK_CHARS]
+        corpus.append(Block(f"doc-{number}", text, content_hash(text)))
+    all_turns: list[list[list[Block]]] = []
+    for _ in range(conversations):
+        topic = rng.sample(corpus, TOPIC_SIZE)
+        previous: list[Block] = []
+        conversation: list[list[Block]] = []
+        for _ in range(turns):
+            kept = rng.sample(previous, min(KEPT_PER_TURN, len(previous)))
+            fresh = [block for block in rng.sample(topic, BLOCKS_PER_TURN * 2) if block not in kept]
+            blocks = kept + fresh[: BLOCKS_PER_TURN - len(kept)]
+            rng.shuffle(blocks)
+            conversation.append(blocks)
+            previous = blocks
+        all_turns.append(conversation)
+    return Workload(all_turns)
+
+
+def _request(blocks: list[Block], include_transcript: bool) -> ReserveRequest:
+    return ReserveRequest(tuple((b.id, b.digest) for b in blocks), include_transcript=include_transcript)
+
+
+def _record(blocks: list[Block], seen: Any, turn: int) -> TurnRecord:
+    shown = [b for b in blocks if b.digest not in seen]
+    user = "\n\n".join(f"[{label_for_hash(b.digest)}]\n{b.text}" for b in shown) + f"\n\nQuestion {turn}?"
+    messages = ({"role": "user", "content": user}, {"role": "assistant", "content": "An answer. " * 30})
+    return TurnRecord(messages, tuple(SeenBlock(b.id, b.digest, label_for_hash(b.digest), 0) for b in shown))
+
+
+def _ms(samples: list[float], quantile: float) -> float:
+    if not samples:
+        return float("nan")
+    ordered = sorted(samples)
+    return round(ordered[min(len(ordered) - 1, int(quantile * len(ordered)))] * 1000, 4)
+
+
+class RoundTripCounter:
+    """Counts request/response exchanges on the client sockets of one run."""
+
+    def __init__(self) -> None:
+        self.sends = 0
+
+    def connection_class(self) -> type:
+        """A redis-py Connection subclass that counts every ``send_packed_command`` into this counter."""
+        import redis
+
+        counter = self
+
+        class CountingConnection(redis.Connection):
+            def send_packed_command(self, command: Any, check_health: bool = True) -> None:
+                counter.sends += 1
+                super().send_packed_command(command, check_health)
+
+        return CountingConnection
+
+
+@dataclass
+class Samples:
+    """Latency samples (seconds) and call counts of one phase."""
+
+    prepare: list[float] = field(default_factory=list)
+    prepare_transcript: list[float] = field(default_factory=list)
+    commit: list[float] = field(default_factory=list)
+    facade_prepare: list[float] = field(default_factory=list)
+    prepare_round_trips: int = 0
+    commit_round_trips: int = 0
+
+
+def _timed(samples: list[float], call: Callable[[], Any]) -> Any:
+    start = time.perf_counter()
+    result = call()
+    samples.append(time.perf_counter() - start)
+    return result
+
+
+def run_sequential(store: Any, workload: Workload, counter: RoundTripCounter | None) -> Samples:
+    """Every conversation, one at a time, on a synchronous store; counts round trips when ``counter`` is given."""
+    samples = Samples()
+    warm_key = ConversationKey(workload.tenant, "warm-up")
+    for include in (False, True):  # loads the scripts (NOSCRIPT) outside the counted calls
+        store.abort(warm_key, store.reserve(warm_key, _request(workload.turns[0][0], include)).reservation_id)
+    store.commit(warm_key, store.reserve(warm_key, _request([], False)).reservation_id, TurnRecord((), ()))
+    for number, conversation in enumerate(workload.turns):
+        key = ConversationKey(workload.tenant, f"sequential-{number}")
+        for turn, blocks in enumerate(conversation):
+            peek = _timed(samples.prepare_transcript, lambda: store.reserve(key, _request(blocks, True)))
+            store.abort(key, peek.reservation_id)
+            before = counter.sends if counter else 0
+            reservation = _timed(samples.prepare, lambda: store.reserve(key, _request(blocks, False)))
+            middle = counter.sends if counter else 0
+            record = _record(blocks, reservation.seen, turn)
+            _timed(samples.commit, lambda: store.commit(key, reservation.reservation_id, record))
+            if counter:
+                samples.prepare_round_trips += middle - before
+                samples.commit_round_trips += counter.sends - middle
+        _progress(f"  sequential {number + 1}/{workload.conversations}", number + 1, workload.conversations)
+    store.delete(warm_key)
+    return samples
+
+
+def run_facade(store: Any, workload: Workload, samples: Samples, conversations: int) -> None:
+    """``CpMemory.prepare`` + commit on ``store`` for the first ``conversations``, the caller keeping the history."""
+    from cpmemory.facade import CpMemory
+
+    memory = CpMemory(store=store)
+    for number, conversation in enumerate(workload.turns[:conversations]):
+        history: list[dict[str, str]] = []
+        for blocks in conversation:
+            payload = [{"id": b.id, "text": b.text} for b in blocks]
+            prepared = _timed(
+                samples.facade_prepare,
+                lambda: memory.prepare(f"facade-{number}", "What next?", payload, history=history,
+                                       tenant=workload.tenant),
+            )
+            memory.commit(prepared, "An answer.")
+            history.extend([prepared.messages[-1], {"role": "assistant", "content": "An answer."}])
+
+
+async def run_concurrent(store: Any, workload: Workload) -> tuple[Samples, float]:
+    """All conversations at once on an asyncio store; returns the samples and the wall time in seconds."""
+    samples = Samples()
+
+    async def one(number: int, conversation: list[list[Block]]) -> None:
+        key = ConversationKey(workload.tenant, f"concurrent-{number}")
+        for turn, blocks in enumerate(conversation):
+            start = time.perf_counter()
+            reservation = await store.reserve(key, _request(blocks, False))
+            middle = time.perf_counter()
+            await asyncio.sleep(0)  # the LLM call would be here
+            await store.commit(key, reservation.reservation_id, _record(blocks, reservation.seen, turn))
+            samples.prepare.append(middle - start)
+            samples.commit.append(time.perf_counter() - middle)
+
+    warm_key = ConversationKey(workload.tenant, "warm-up-async")
+    await store.abort(warm_key, (await store.reserve(warm_key, _request([], False))).reservation_id)
+    start = time.perf_counter()
+    await asyncio.gather(*(one(number, c) for number, c in enumerate(workload.turns)))
+    return samples, time.perf_counter() - start
+
+
+def _progress(message: str, done: int, total: int) -> None:
+    if done == total or done % max(1, total // 4) == 0:
+        print(message, file=sys.stderr, flush=True)
+
+
+def summarize(name: str, workload: Workload, sequential: Samples, concurrent: Samples, wall_s: float,
+              counted: bool) -> dict[str, Any]:
+    """One result row (see the module docstring for what each figure means)."""
+    calls = len(sequential.prepare)
+    turns_total = sum(len(c) for c in workload.turns)
+    return {
+        "backend": name,
+        "conversations": workload.conversations,
+        "turns": len(workload.turns[0]) if workload.turns else 0,
+        "round_trips_per_prepare": round(sequential.prepare_round_trips / calls, 3) if counted and calls else 0,
+        "round_trips_per_commit": round(sequential.commit_round_trips / calls, 3) if counted and calls else 0,
+        "prepare_p50_ms": _ms(sequential.prepare, 0.5),
+        "prepare_p99_ms": _ms(sequential.prepare, 0.99),
+        "prepare_with_transcript_p50_ms": _ms(sequential.prepare_transcript, 0.5),
+        "commit_p50_ms": _ms(sequential.commit, 0.5),
+        "commit_p99_ms": _ms(sequential.commit, 0.99),
+        "facade_prepare_p50_ms": _ms(sequential.facade_prepare, 0.5),
+        "turns_per_second": round(turns_total / wall_s, 1) if wall_s else None,
+        "concurrent_prepare_p50_ms": _ms(concurrent.prepare, 0.5),
+        "concurrent_prepare_p99_ms": _ms(concurrent.prepare, 0.99),
+        "concurrent_commit_p50_ms": _ms(concurrent.commit, 0.5),
+        "latency_mode": "sequential: one conversation at a time (sync store); "
+        "turns_per_second and concurrent_*: all conversations at once (asyncio store)",
+    }
+
+
+def bench_memory(workload: Workload, facade_conversations: int) -> dict[str, Any]:
+    """The in-memory store row (no network: 0 round trips)."""
+    from cpmemory.stores.memory import AsyncInMemorySessionStore, InMemorySessionStore
+
+    sequential = run_sequential(InMemorySessionStore(), workload, None)
+    run_facade(InMemorySessionStore(), workload, sequential, facade_conversations)
+    concurrent, wall = asyncio.run(run_concurrent(AsyncInMemorySessionStore(), workload))
+    return summarize("memory", workload, sequential, concurrent, wall, counted=True)
+
+
+def bench_redis_url(name: str, url: str, cluster: bool, workload: Workload, facade_conversations: int) -> dict[str, Any]:
+    """A Redis (or Redis Cluster) row against ``url``; keys under a fresh prefix, deleted afterwards."""
+    from cpmemory.stores.redis_store import AsyncRedisSessionStore, RedisSessionStore, RedisStoreConfig
+
+    config = RedisStoreConfig(prefix=f"cpmbench-{uuid.uuid4().hex[:10]}", socket_timeout_s=5.0, connect_timeout_s=2.0)
+    counter = RoundTripCounter()
+    store = _sync_store(url, config, cluster, counter)
+    try:
+        sequential = run_sequential(store, workload, counter)
+        run_facade(store, workload, sequential, facade_conversations)
+
+        async def concurrent_phase() -> tuple[Samples, float]:
+            async_store = AsyncRedisSessionStore.from_url(url, config, cluster=cluster)
+            try:
+                return await run_concurrent(async_store, workload)
+            finally:
+                await async_store.close()
+
+        concurrent, wall = asyncio.run(concurrent_phase())
+    finally:
+        _delete_prefix(store, config.prefix, cluster)
+        store.close()
+    return summarize(name, workload, sequential, concurrent, wall, counted=True)
+
+
+def _sync_store(url: str, config: Any, cluster: bool, counter: RoundTripCounter) -> Any:
+    import redis
+    from redis.cluster import RedisCluster
+
+    from cpmemory.stores.redis_store import RedisSessionStore
+
+    kwargs = {**config.client_kwargs(), "connection_class": counter.connection_class()}
+    client = RedisCluster.from_url(url, **kwargs) if cluster else redis.Redis.from_url(url, **kwargs)
+    return RedisSessionStore(client, config)
+
+
+def _delete_prefix(store: Any, prefix: str, cluster: bool) -> None:
+    client = store.client
+    scan = client.scan_iter(match=f"{prefix}:*", count=1000, **({"target_nodes": "primaries"} if cluster else {}))
+    for key in list(scan):
+        client.delete(key)
+
+
+@contextmanager
+def _redis_target(url: str) -> Iterator[tuple[str, str]]:
+    """Yield (url, note): ``url`` if it answers, else a throw-away local redis-server."""
+    import redis
+
+    from cpmemory.bench.local_redis import LocalRedisServer, redis_binaries_available
+
+    try:
+        redis.Redis.from_url(url, socket_timeout=1, socket_connect_timeout=1).ping()
+        yield url, f"redis at {url}"
+        return
+    except redis.RedisError:
+        if not redis_binaries_available():
+            raise
+    with LocalRedisServer() as server:
+        yield server.url, f"{url} did not answer: used a local redis-server on port {server.port}"
+
+
+def run_backend(name: str, workload: Workload, redis_url: str, facade_conversations: int) -> dict[str, Any]:
+    """Run one backend; a backend that cannot run gives a row with ``skipped`` and the reason."""
+    from cpmemory.bench.local_redis import LocalRedisCluster, redis_binaries_available
+
+    try:
+        if name == "memory":
+            return bench_memory(workload, facade_conversations)
+        if name == "redis":
+            with _redis_target(redis_url) as (url, note):
+                return {**bench_redis_url("redis", url, False, workload, facade_conversations), "target": note}
+        if not redis_binaries_available():
+            return {"backend": name, "skipped": "redis-server / redis-cli not on PATH"}
+        with ExitStack() as stack:
+            local_cluster = stack.enter_context(LocalRedisCluster(masters=3))
+            row = bench_redis_url("cluster", local_cluster.url, True, workload, facade_conversations)
+            return {**row, "target": "local 3-master Redis Cluster (redis-server on spare ports)"}
+    except ImportError as error:
+        return {"backend": name, "skipped": f"missing dependency: {error}"}
+
+
+def _table(results: dict[str, dict[str, Any]]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    columns = ["backend", "round_trips_per_prepare", "round_trips_per_commit", "prepare_p50_ms", "prepare_p99_ms",
+               "prepare_with_transcript_p50_ms", "commit_p50_ms", "facade_prepare_p50_ms", "turns_per_second",
+               "concurrent_prepare_p50_ms"]
+    table = Table(title="Session store (latency: sequential; turns/s: all conversations concurrently)")
+    for column in columns:
+        table.add_column(column.replace("_", " "))
+    for row in results.values():
+        if "skipped" in row:
+            table.add_row(row["backend"], f"skipped: {row['skipped']}", *[""] * (len(columns) - 2))
+        else:
+            table.add_row(*(str(row.get(column, "")) for column in columns))
+    Console().print(table)
+
+
+def command(
+    backend: str = typer.Option("all", "--backend", help="memory, redis, cluster or all."),
+    conversations: int = typer.Option(100, "--conversations", min=1, help="Concurrent conversations."),
+    turns: int = typer.Option(10, "--turns", min=1, help="Turns per conversation."),
+    redis_url: str = typer.Option("redis://127.0.0.1:6379/0", "--redis-url", help="Redis for the redis row."),
+    facade_conversations: int = typer.Option(20, "--facade-conversations", min=0,
+                                             help="Conversations also run through CpMemory.prepare."),
+    seed: int = typer.Option(0, "--seed", help="Workload seed."),
+    json_output: bool = typer.Option(False, "--json", help="Print one JSON object on stdout."),
+) -> None:
+    """Measure the session stores: prepare/commit latency, round trips, and throughput with concurrent turns."""
+    names = BACKENDS if backend == "all" else (backend,)
+    if any(name not in BACKENDS for name in names):
+        raise typer.BadParameter(f"--backend must be one of {', '.join(BACKENDS)} or all")
+    workload = make_workload(conversations, turns, seed)
+    results: dict[str, dict[str, Any]] = {}
+    for name in names:
+        print(f"bench store: {name} ...", file=sys.stderr, flush=True)
+        results[name] = run_backend(name, workload, redis_url, facade_conversations)
+    summary = {"results": results, "workload": {"conversations": conversations, "turns": turns,
+                                                "blocks_per_turn": BLOCKS_PER_TURN, "block_chars": BLOCK_CHARS,
+                                                "seed": seed}}
+    if json_output:
+        print(json.dumps(summary))
+    else:
+        _table(results)
