@@ -18,6 +18,7 @@ pass-through: relevance order, every block in full, nothing reserved; it is logg
 """
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -93,9 +94,8 @@ class _FacadeCore:
             self._outage = False
             logger.warning("session store reachable again; de-duplication resumed")
         source = None
-        if turn_input.history is None:
-            key = turn_input.key
-            source = lambda history: self._segments.for_history(key, history)  # noqa: E731
+        if turn_input.history is None:  # the stored transcript only grows: its segment index is cached
+            source = functools.partial(self._segments.for_history, turn_input.key)
         try:
             turn = plan_turn(turn_input, reservation, self._indexes, self.config, source)
         except Exception:  # an index bug must not lose the request: fall back to relevance order
@@ -136,6 +136,20 @@ class _FacadeCore:
         if entry is None:
             raise UnknownReservationError(f"unknown reservation {turn_or_id!r}")
         return entry[1]
+
+    def _commit_failed(self, error: Exception) -> Exception:
+        """Map a store error raised by commit: store failures become StoreUnavailableError (and are counted)."""
+        if not is_store_failure(error):
+            return error
+        self.counters.add(commit_failures=1)
+        if isinstance(error, StoreUnavailableError):
+            return error
+        return StoreUnavailableError(f"commit failed: {error}")
+
+    def _committed(self, turn: PreparedTurn, number: int) -> int:
+        self._forget(turn)
+        self.counters.add(commits=1)
+        return number
 
     def _forget(self, turn: PreparedTurn) -> None:
         with self._pending_lock:
@@ -274,14 +288,11 @@ class CpMemory(_FacadeCore):
         try:
             number = self.store.commit(turn.key, turn.reservation_id, record)
         except Exception as error:
-            if not is_store_failure(error) or isinstance(error, StoreUnavailableError):
-                self.counters.add(commit_failures=int(isinstance(error, StoreUnavailableError)))
+            mapped = self._commit_failed(error)
+            if mapped is error:
                 raise
-            self.counters.add(commit_failures=1)
-            raise StoreUnavailableError(f"commit failed: {error}") from error
-        self._forget(turn)
-        self.counters.add(commits=1)
-        return number
+            raise mapped from error
+        return self._committed(turn, number)
 
     def abort(self, turn_or_reservation_id: PreparedTurn | str) -> bool:
         """Release the turn (its LLM call failed); False when already released, unknown or degraded."""
@@ -348,14 +359,11 @@ class AsyncCpMemory(_FacadeCore):
         try:
             number = await self.store.commit(turn.key, turn.reservation_id, record)
         except Exception as error:
-            if not is_store_failure(error) or isinstance(error, StoreUnavailableError):
-                self.counters.add(commit_failures=int(isinstance(error, StoreUnavailableError)))
+            mapped = self._commit_failed(error)
+            if mapped is error:
                 raise
-            self.counters.add(commit_failures=1)
-            raise StoreUnavailableError(f"commit failed: {error}") from error
-        self._forget(turn)
-        self.counters.add(commits=1)
-        return number
+            raise mapped from error
+        return self._committed(turn, number)
 
     async def abort(self, turn_or_reservation_id: PreparedTurn | str) -> bool:
         """See :meth:`CpMemory.abort`."""

@@ -134,7 +134,7 @@ class SegmentIndex:
     messages: a cached index that grew for a longer history stays correct for a request sending a shorter one.
     """
 
-    __slots__ = ("_holders", "_messages", "_limit")
+    __slots__ = ("_holders", "_limit", "_messages")
 
     def __init__(self) -> None:
         self._holders: dict[str, tuple[str, int]] = {}

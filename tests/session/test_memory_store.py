@@ -6,7 +6,14 @@ import threading
 import pytest
 
 from cpmemory.errors import InvalidInputError, ReservationExpiredError, UnknownReservationError
-from cpmemory.stores.base import AsyncSessionStore, ConversationKey, ReserveRequest, SeenBlock, SessionStore, TurnRecord
+from cpmemory.stores.base import (
+    AsyncSessionStore,
+    ConversationKey,
+    ReserveRequest,
+    SeenBlock,
+    SessionStore,
+    TurnRecord,
+)
 from cpmemory.stores.memory import AsyncInMemorySessionStore, InMemorySessionStore
 
 
