@@ -275,3 +275,23 @@ def test_cross_conversation_requests_share_a_prompt_prefix() -> None:
     shared = first.messages[-1]["content"].split("\n\n")[:2]
     assert second.messages[-1]["content"].split("\n\n")[:2] == shared
     assert second.order_annotated and check_no_loss(blocks(2, 6, 1), second.messages).ok
+
+
+def test_partial_overlap_across_turns() -> None:
+    mem = CpMemory()
+    old = [("a", "The harbour was closed on Monday because of the storm. Ferries resumed on Tuesday morning.")]
+    first = mem.prepare("c", "q1", old)
+    mem.commit(first, "a1")
+    new = [("b", "The harbour was closed on Monday because of the storm. Ferries resumed on Tuesday morning. "
+                 "Tickets were refunded.")]
+    turn = mem.prepare("c", "q2", new)
+    assert [d.status for d in turn.decisions] == ["partial"]
+    user = turn.messages[-1]["content"]
+    assert "Tickets were refunded." in user and "closed on Monday" not in user
+    assert f"[{first.decisions[0].label}]" in user
+    assert check_no_loss(new, turn.messages).ok
+    elsewhere = mem.prepare("c", "q3", new, history=[])
+    assert [d.status for d in elsewhere.decisions] == ["new"]
+    off = CpMemory(config=CpMemoryConfig(partial_overlap=False))
+    off.commit(off.prepare("c", "q1", old), "a1")
+    assert [d.status for d in off.prepare("c", "q2", new).decisions] == ["new"]

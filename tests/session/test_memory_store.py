@@ -152,3 +152,15 @@ async def test_async_store_shares_the_contract() -> None:
     assert (await store.load(KEY)).turns == 1
     await store.delete(KEY)
     assert (await store.load(KEY)).turns == 0
+
+
+def test_expired_conversations_are_swept(clock: FakeClock) -> None:
+    from cpmemory.stores.memory import SWEEP_EVERY
+
+    store = InMemorySessionStore(ttl_s=10.0, clock=clock)
+    for i in range(50):
+        store.reserve(ConversationKey("t", f"old-{i}"), request())
+    clock.now += 11.0
+    for _ in range(SWEEP_EVERY):
+        store.load(KEY)
+    assert len(store) <= 1

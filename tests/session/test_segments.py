@@ -1,0 +1,41 @@
+"""The cached segment index: extended incrementally, limited to what a request sends, rebuilt when stale."""
+from __future__ import annotations
+
+from cpmemory.core.annotations import build_user_message, format_block
+from cpmemory.core.blocks import Block
+from cpmemory.session.segments import SegmentCache
+from cpmemory.stores.base import ConversationKey
+
+KEY = ConversationKey("t", "c")
+SENTENCE_A = "Alpha sentence that is certainly long enough."
+SENTENCE_B = "Bravo sentence that is certainly long enough."
+
+
+def user_turn(text: str) -> list[dict[str, str]]:
+    block = Block("x", text)
+    content = build_user_message([format_block(block.label, text)], [], None, "q")
+    return [{"role": "user", "content": content}, {"role": "assistant", "content": "a"}]
+
+
+def test_extends_and_limits_to_the_history_sent() -> None:
+    cache = SegmentCache()
+    short = user_turn(SENTENCE_A)
+    long = short + user_turn(SENTENCE_B)
+    assert cache.for_history(KEY, long).holder(SENTENCE_B) is not None
+    view = cache.for_history(KEY, short)  # a concurrent request that sends the shorter transcript
+    assert view.holder(SENTENCE_A) is not None
+    assert view.holder(SENTENCE_B) is None
+
+
+def test_rebuilt_when_the_transcript_changed() -> None:
+    cache = SegmentCache()
+    cache.for_history(KEY, user_turn(SENTENCE_A))
+    fresh = cache.for_history(KEY, user_turn(SENTENCE_B))
+    assert fresh.holder(SENTENCE_A) is None and fresh.holder(SENTENCE_B) is not None
+
+
+def test_bounded() -> None:
+    cache = SegmentCache(max_conversations=3)
+    for i in range(10):
+        cache.for_history(ConversationKey("t", f"c{i}"), user_turn(SENTENCE_A))
+    assert len(cache) == 3
