@@ -13,6 +13,10 @@ import tempfile
 import time
 from pathlib import Path
 from types import TracebackType
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # typing.Self is Python 3.11+
+    from typing_extensions import Self
 
 from cpmemory.errors import StoreUnavailableError
 
@@ -121,8 +125,10 @@ class LocalRedisServer:
         if self._own_dir:
             shutil.rmtree(self.workdir, ignore_errors=True)
 
-    def __enter__(self) -> LocalRedisServer:
-        return self.start() if self._process is None else self
+    def __enter__(self) -> Self:
+        if self._process is None:
+            self.start()
+        return self
 
     def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, tb: TracebackType | None) -> None:
         self.close()
@@ -162,7 +168,7 @@ class LocalRedisCluster:
         while time.monotonic() < deadline:
             states = [
                 subprocess.run(["redis-cli", "-p", str(node.port), "cluster", "info"], capture_output=True,
-                               text=True, timeout=5).stdout
+                               text=True, timeout=5, check=False).stdout
                 for node in self.nodes
             ]
             if all("cluster_state:ok" in state for state in states):
@@ -177,8 +183,9 @@ class LocalRedisCluster:
         self.nodes.clear()
         shutil.rmtree(self.workdir, ignore_errors=True)
 
-    def __enter__(self) -> LocalRedisCluster:
-        return self.start()
+    def __enter__(self) -> Self:
+        self.start()
+        return self
 
     def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, tb: TracebackType | None) -> None:
         self.close()

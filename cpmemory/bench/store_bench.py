@@ -27,7 +27,6 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-import statistics
 import sys
 import time
 import uuid
@@ -146,9 +145,9 @@ class Samples:
     commit_round_trips: int = 0
 
 
-def _timed(samples: list[float], call: Callable[[], Any]) -> Any:
+def _timed(samples: list[float], call: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     start = time.perf_counter()
-    result = call()
+    result = call(*args, **kwargs)
     samples.append(time.perf_counter() - start)
     return result
 
@@ -163,13 +162,13 @@ def run_sequential(store: Any, workload: Workload, counter: RoundTripCounter | N
     for number, conversation in enumerate(workload.turns):
         key = ConversationKey(workload.tenant, f"sequential-{number}")
         for turn, blocks in enumerate(conversation):
-            peek = _timed(samples.prepare_transcript, lambda: store.reserve(key, _request(blocks, True)))
+            peek = _timed(samples.prepare_transcript, store.reserve, key, _request(blocks, True))
             store.abort(key, peek.reservation_id)
             before = counter.sends if counter else 0
-            reservation = _timed(samples.prepare, lambda: store.reserve(key, _request(blocks, False)))
+            reservation = _timed(samples.prepare, store.reserve, key, _request(blocks, False))
             middle = counter.sends if counter else 0
             record = _record(blocks, reservation.seen, turn)
-            _timed(samples.commit, lambda: store.commit(key, reservation.reservation_id, record))
+            _timed(samples.commit, store.commit, key, reservation.reservation_id, record)
             if counter:
                 samples.prepare_round_trips += middle - before
                 samples.commit_round_trips += counter.sends - middle
@@ -187,11 +186,8 @@ def run_facade(store: Any, workload: Workload, samples: Samples, conversations: 
         history: list[dict[str, str]] = []
         for blocks in conversation:
             payload = [{"id": b.id, "text": b.text} for b in blocks]
-            prepared = _timed(
-                samples.facade_prepare,
-                lambda: memory.prepare(f"facade-{number}", "What next?", payload, history=history,
-                                       tenant=workload.tenant),
-            )
+            prepared = _timed(samples.facade_prepare, memory.prepare, f"facade-{number}", "What next?", payload,
+                              history=list(history), tenant=workload.tenant)
             memory.commit(prepared, "An answer.")
             history.extend([prepared.messages[-1], {"role": "assistant", "content": "An answer."}])
 
@@ -261,7 +257,7 @@ def bench_memory(workload: Workload, facade_conversations: int) -> dict[str, Any
 
 def bench_redis_url(name: str, url: str, cluster: bool, workload: Workload, facade_conversations: int) -> dict[str, Any]:
     """A Redis (or Redis Cluster) row against ``url``; keys under a fresh prefix, deleted afterwards."""
-    from cpmemory.stores.redis_store import AsyncRedisSessionStore, RedisSessionStore, RedisStoreConfig
+    from cpmemory.stores.redis_store import AsyncRedisSessionStore, RedisStoreConfig
 
     config = RedisStoreConfig(prefix=f"cpmbench-{uuid.uuid4().hex[:10]}", socket_timeout_s=5.0, connect_timeout_s=2.0)
     counter = RoundTripCounter()

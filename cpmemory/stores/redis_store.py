@@ -36,7 +36,6 @@ from cpmemory.errors import (
 from cpmemory.stores.base import (
     ConversationKey,
     ConversationState,
-    Message,
     Reservation,
     ReserveRequest,
     SeenBlock,
@@ -132,11 +131,11 @@ class ScriptCall:
 class RedisSessionCodec:
     """Builds script calls and decodes replies; no IO, shared by the sync and async stores."""
 
-    __slots__ = ("keys", "ttl_ms", "_key_names")
+    __slots__ = ("_key_names", "keys", "ttl_ms")
 
     def __init__(self, config: RedisStoreConfig) -> None:
         self.keys = KeyScheme(config.prefix)
-        self.ttl_ms = int(round(config.ttl_s * 1000))
+        self.ttl_ms = round(config.ttl_s * 1000)
         # Two blake2b digests per call add up on the hot path; recent conversations' key names are cached.
         self._key_names = functools.lru_cache(maxsize=4096)(self._names)
 
@@ -151,7 +150,7 @@ class RedisSessionCodec:
         """The reserve script call for ``request`` under the new ``reservation_id``."""
         seen_fields = ["s:" + content_hash for _, content_hash in request.blocks]
         id_fields = [b"i:" + encode_text(block_id) for block_id, _ in request.blocks]
-        timeout_ms = max(1, int(round(request.reservation_timeout_s * 1000)))
+        timeout_ms = max(1, round(request.reservation_timeout_s * 1000))
         head = (self.ttl_ms, reservation_id, timeout_ms, "1" if request.include_transcript else "0", "turns", "path")
         return ScriptCall("reserve", self._key_names(key), (*head, *seen_fields, *id_fields))
 

@@ -67,7 +67,10 @@ def _fakeredis_backend() -> Backend:
     fakeredis = pytest.importorskip("fakeredis")
     pytest.importorskip("lupa", reason="fakeredis needs lupa for Lua scripts")
     server = fakeredis.FakeServer()
-    config = lambda ttl: RedisStoreConfig(prefix=RUN_PREFIX, ttl_s=ttl)  # noqa: E731
+
+    def config(ttl: float) -> RedisStoreConfig:
+        return RedisStoreConfig(prefix=RUN_PREFIX, ttl_s=ttl)
+
     return Backend(
         "fakeredis",
         lambda ttl: RedisSessionStore(fakeredis.FakeRedis(server=server), config(ttl)),
@@ -100,9 +103,15 @@ def real_redis() -> Iterator[str]:
     except redis.RedisError as error:
         pytest.skip(f"real Redis not reachable at {redis_url()}: {error}")
     yield redis_url()
-    for key in client.scan_iter(match=f"{RUN_PREFIX}:*", count=1000):
+    for key in client.scan_iter(match=f"{RUN_PREFIX}*", count=1000):
         client.delete(key)
     client.close()
+
+
+@pytest.fixture
+def run_prefix() -> str:
+    """A key prefix for one test, under this run's prefix (so the session cleanup deletes its keys)."""
+    return f"{RUN_PREFIX}-{uuid.uuid4().hex[:8]}"
 
 
 @pytest.fixture(scope="session")

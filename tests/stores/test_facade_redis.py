@@ -1,0 +1,72 @@
+"""End to end through the facade on the real Redis: two facade instances ("workers") serve one conversation."""
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+import pytest
+
+from cpmemory.core.invariants import check_no_loss
+from cpmemory.facade import AsyncCpMemory, CpMemory
+from cpmemory.stores.redis_store import AsyncRedisSessionStore, RedisSessionStore, RedisStoreConfig
+
+pytestmark = pytest.mark.redis
+
+DOCS = [{"id": f"doc-{i}", "text": f"Passage {i}: " + f"detail {i} of the report; " * 10} for i in range(10)]
+
+
+def _statuses(turn) -> dict[str, str]:  # type: ignore[no-untyped-def]
+    return {decision.block_id: decision.status for decision in turn.decisions}
+
+
+@pytest.fixture
+def config(run_prefix: str) -> RedisStoreConfig:
+    return RedisStoreConfig(prefix=run_prefix, socket_timeout_s=5.0)
+
+
+def test_two_workers_share_one_conversation(real_redis: str, config: RedisStoreConfig) -> None:
+    worker_a = CpMemory(store=RedisSessionStore.from_url(real_redis, config))
+    worker_b = CpMemory(store=RedisSessionStore.from_url(real_redis, config))
+    conversation = f"conv-{uuid.uuid4().hex}"
+    turns = [(worker_a, DOCS[0:5]), (worker_b, DOCS[2:7]), (worker_a, DOCS[5:9]), (worker_b, DOCS[0:3] + DOCS[8:10])]
+    shown: set[str] = set()
+    for number, (worker, docs) in enumerate(turns, start=1):
+        turn = worker.prepare(conversation, f"question {number}", docs)
+        report = check_no_loss(docs, turn.messages)
+        assert report.ok, report.violations
+        for doc in docs:  # referenced exactly when an earlier committed turn (on either worker) showed it
+            assert _statuses(turn)[doc["id"]] == ("referenced" if doc["id"] in shown else "new")
+        assert worker.commit(turn, f"answer {number}") == number
+        shown |= {doc["id"] for doc in docs}
+
+
+def test_concurrent_turns_do_not_reference_uncommitted_blocks(real_redis: str, config: RedisStoreConfig) -> None:
+    worker_a = CpMemory(store=RedisSessionStore.from_url(real_redis, config))
+    worker_b = CpMemory(store=RedisSessionStore.from_url(real_redis, config))
+    conversation = f"conv-{uuid.uuid4().hex}"
+    first = worker_a.prepare(conversation, "q1", DOCS[:4])
+    second = worker_b.prepare(conversation, "q2", DOCS[:4])  # before the first commits
+    assert set(_statuses(second).values()) == {"new"}
+    worker_a.commit(first, "a1")
+    worker_b.abort(second)  # its LLM call failed
+    third = worker_b.prepare(conversation, "q3", DOCS[:4])
+    assert set(_statuses(third).values()) == {"referenced"}  # only the committed turn counts
+    assert check_no_loss(DOCS[:4], third.messages).ok
+
+
+def test_async_facade_on_redis(real_redis: str, config: RedisStoreConfig) -> None:
+    async def scenario() -> list[dict[str, str]]:
+        store = AsyncRedisSessionStore.from_url(real_redis, config)
+        memory = AsyncCpMemory(store=store)
+        conversation = f"conv-{uuid.uuid4().hex}"
+        first = await memory.prepare(conversation, "q1", DOCS[:5])
+        await memory.commit(first, "a1")
+        second = await memory.prepare(conversation, "q2", DOCS[3:8])
+        assert check_no_loss(DOCS[3:8], second.messages).ok
+        await memory.commit(second, "a2")
+        await store.close()
+        return [_statuses(first), _statuses(second)]
+
+    first, second = asyncio.run(scenario())
+    assert set(first.values()) == {"new"}
+    assert second == {"doc-3": "referenced", "doc-4": "referenced", "doc-5": "new", "doc-6": "new", "doc-7": "new"}

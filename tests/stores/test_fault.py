@@ -1,0 +1,66 @@
+"""Outage: a conversation through the facade on its own redis-server, killed (-9) mid-conversation, restarted.
+
+While Redis is down every prepare is a pass-through (degraded, relevance order, every block in full, no loss),
+logged once and counted; commit of a turn prepared before the kill fails with StoreUnavailableError. After the
+restart on the same port the store recovers by itself (reconnect, scripts reloaded on NOSCRIPT) and
+de-duplication resumes against blocks committed after the restart (the throw-away server kept nothing before).
+"""
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from cpmemory.bench.local_redis import LocalRedisServer, redis_binaries_available
+from cpmemory.core.invariants import check_no_loss
+from cpmemory.errors import StoreUnavailableError
+from cpmemory.facade import CpMemory
+from cpmemory.stores.redis_store import RedisSessionStore, RedisStoreConfig
+
+pytestmark = pytest.mark.skipif(not redis_binaries_available(), reason="redis-server / redis-cli not on PATH")
+
+DOCS = [{"id": f"doc-{i}", "text": f"Document {i}. " + f"fact {i} about the topic; " * 12} for i in range(12)]
+
+
+def _statuses(turn) -> dict[str, str]:  # type: ignore[no-untyped-def]
+    return {decision.block_id: decision.status for decision in turn.decisions}
+
+
+def _assert_complete(blocks: list[dict[str, str]], turn) -> None:  # type: ignore[no-untyped-def]
+    report = check_no_loss(blocks, turn.messages)
+    assert report.ok, report.violations
+
+
+def test_kill_restart_passes_through_then_resumes(caplog: pytest.LogCaptureFixture) -> None:
+    config = RedisStoreConfig(prefix="fault", socket_timeout_s=0.2, connect_timeout_s=0.2, retries=0)
+    with LocalRedisServer() as server:
+        memory = CpMemory(store=RedisSessionStore.from_url(server.url, config))
+        first = memory.prepare("conv", "q1", DOCS[:6])
+        assert memory.commit(first, "a1") == 1
+        second = memory.prepare("conv", "q2", DOCS[3:9])
+        assert {_statuses(second)[f"doc-{i}"] for i in (3, 4, 5)} == {"referenced"}
+        _assert_complete(DOCS[3:9], second)
+
+        server.kill()  # crash between prepare and commit
+        with pytest.raises(StoreUnavailableError):
+            memory.commit(second, "a2")
+        caplog.set_level(logging.WARNING, logger="cpmemory.facade")
+        outage_turns = [memory.prepare("conv", f"q{n}", DOCS[2:10]) for n in (3, 4)]
+        for turn in outage_turns:
+            assert turn.degraded and set(_statuses(turn).values()) == {"new"}
+            assert all(doc["text"] in turn.messages[-1]["content"] for doc in DOCS[2:10])
+            _assert_complete(DOCS[2:10], turn)
+            assert memory.commit(turn, "lost answer") == 0
+        assert memory.counters.snapshot()["fallbacks"] == 2
+        assert sum("unavailable" in record.getMessage() for record in caplog.records) == 1  # logged once
+
+        server.start()  # same port, empty state, empty script cache
+        fourth = memory.prepare("conv", "q5", DOCS[:6])
+        assert not fourth.degraded and set(_statuses(fourth).values()) == {"new"}
+        _assert_complete(DOCS[:6], fourth)
+        assert memory.commit(fourth, "a5") == 1
+        fifth = memory.prepare("conv", "q6", DOCS[4:8])
+        statuses = _statuses(fifth)
+        assert (statuses["doc-4"], statuses["doc-5"], statuses["doc-6"]) == ("referenced", "referenced", "new")
+        _assert_complete(DOCS[4:8], fifth)
+        assert memory.commit(fifth, "a6") == 2
