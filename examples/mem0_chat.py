@@ -34,6 +34,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--data-dir", default="../shared/data", help="folder holding locomo/locomo10.json")
     parser.add_argument("--conversation", type=int, default=0, help="index of the LoCoMo conversation (0-9)")
     parser.add_argument("--questions", type=int, default=20, help="number of questions to replay (0 = all)")
+    parser.add_argument("--sessions", type=int, default=0, help="add only the first N sessions (0 = all)")
     parser.add_argument("--top-k", type=int, default=10, help="memories retrieved per question")
     parser.add_argument("--embedder", choices=["fake", "minilm"], default="fake")
     parser.add_argument("--json", action="store_true", help="print the totals as one JSON object at the end")
@@ -83,13 +84,14 @@ def load_conversation(data_dir: Path, index: int) -> dict[str, Any]:
     return json.loads(path.read_text(encoding="utf-8"))[index]
 
 
-def add_dialog(memory: Any, sample: dict[str, Any], user_id: str) -> int:
-    """Add every dialog turn as one memory (one Mem0 call per session). Returns the number of turns added."""
+def add_dialog(memory: Any, sample: dict[str, Any], user_id: str, sessions: int = 0) -> int:
+    """Add every dialog turn (of the first ``sessions`` sessions; 0 = all) as one memory, one Mem0 call per
+    session. Returns the number of turns added."""
     conversation = sample["conversation"]
     speaker_a = conversation["speaker_a"]
     added = 0
     session = 1
-    while f"session_{session}" in conversation:
+    while f"session_{session}" in conversation and (not sessions or session <= sessions):
         when = conversation.get(f"session_{session}_date_time", "")
         messages = [
             {"role": "user" if turn["speaker"] == speaker_a else "assistant",
@@ -121,7 +123,7 @@ def replay(args: argparse.Namespace, home: Path) -> dict[str, Any]:
     user_id = f"locomo-{sample['sample_id']}"
     started = time.perf_counter()
     memory = CpMemoryMem0(build_memory(home, args.embedder), CpMemory(), system_prompt=SYSTEM_PROMPT)
-    added = add_dialog(memory, sample, user_id)
+    added = add_dialog(memory, sample, user_id, args.sessions)
     print(f"added {added} dialog turns of {sample['sample_id']} to Mem0 in {time.perf_counter() - started:.1f}s "
           f"(embedder: {args.embedder})", file=sys.stderr)
     questions = sample["qa"][: args.questions or None]
