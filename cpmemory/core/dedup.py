@@ -91,10 +91,15 @@ class DedupDecision:
         return self.status in ("new", "changed", "resent")
 
 
+_NEW = DedupDecision("new")
+_CHANGED = DedupDecision("changed")
+_RESENT = DedupDecision("resent")
+
+
 class HistoryView(Protocol):
     """What dedup needs to know about the history a request sends."""
 
-    def has_full(self, block: Block, digest: str, label: str) -> bool:
+    def has_full(self, block: Block, digest: str) -> bool:
         """Return True when the block's full text is present under its label in the history."""
         ...
 
@@ -105,7 +110,7 @@ class CommittedHistory:
 
     seen_hashes: frozenset[str] | Mapping[str, object]
 
-    def has_full(self, block: Block, digest: str, label: str) -> bool:
+    def has_full(self, block: Block, digest: str) -> bool:
         """O(1): membership of the hash in what the conversation committed."""
         return digest in self.seen_hashes
 
@@ -121,9 +126,9 @@ class GivenHistory:
         """Join the contents of ``messages`` (O(total length))."""
         return cls("\n\n".join(message["content"] for message in messages))
 
-    def has_full(self, block: Block, digest: str, label: str) -> bool:
+    def has_full(self, block: Block, digest: str) -> bool:
         """O(len(history)) substring search."""
-        return annotations.format_block(label, block.text) in self.text
+        return annotations.format_block(label_for_hash(digest), block.text) in self.text
 
 
 class SegmentIndex:
@@ -239,37 +244,28 @@ def decide(
         One decision per block, same order. Pure.
     """
     previous = previous_hash_for_id or {}
+    # Hot path (runs for every request): the stored-transcript view is inlined as a set lookup, decisions without
+    # payload are shared constants, and a block's label is only computed when a given history is searched.
+    committed = history.seen_hashes if type(history) is CommittedHistory else None
+    use_segments = segments is not None and len(segments) > 0
     first_index: dict[str, int] = {}
     decisions: list[DedupDecision] = []
-    for index, (block, digest) in enumerate(zip(blocks, digests)):
+    append = decisions.append
+    for index, block in enumerate(blocks):
+        digest = digests[index]
         earlier = first_index.setdefault(digest, index)
         if earlier != index:
-            decisions.append(DedupDecision("referenced", duplicate_of=earlier, saved_chars=len(block.text)))
+            append(DedupDecision("referenced", earlier, (), (), len(block.text)))
             continue
-        decisions.append(_decide_one(block, digest, history, seen_hashes, previous, segments, threshold))
+        old = previous.get(block.id) if previous else None
+        if old is not None and old != digest:
+            append(_CHANGED)
+        elif digest in committed if committed is not None else history.has_full(block, digest):
+            append(DedupDecision("referenced", None, (), (), len(block.text)))
+        elif digest in seen_hashes:
+            append(_RESENT)
+        elif use_segments and block.text:
+            append(partial_overlap(block.text, segments, threshold) or _NEW)  # type: ignore[arg-type]
+        else:
+            append(_NEW)
     return decisions
-
-
-def _decide_one(
-    block: Block,
-    digest: str,
-    history: HistoryView,
-    seen_hashes: frozenset[str] | Mapping[str, object],
-    previous: Mapping[str, str],
-    segments: SegmentIndex | None,
-    threshold: float,
-) -> DedupDecision:
-    old = previous.get(block.id)
-    if old is not None and old != digest:
-        return DedupDecision("changed")
-    label = label_for_hash(digest)
-    if history.has_full(block, digest, label):
-        return DedupDecision("referenced", saved_chars=len(block.text))
-    if digest in seen_hashes:
-        return DedupDecision("resent")
-    if segments is not None and len(segments) and block.text:
-        partial = partial_overlap(block.text, segments, threshold)
-        if partial is not None:
-            return partial
-    return DedupDecision("new")
-
