@@ -86,3 +86,8 @@ def measure(prompts: Sequence[Prompt], base_url: str, *, model: str = "tiny", re
     figures = summarize(results)
     figures["reset"] = reset_cache
     return figures
+
+
+def replay_real(base_url: str, prompts: Sequence[Prompt], **options: Any) -> dict[str, Any]:
+    """Alias of :func:`measure` with the URL first (the form ``cpmemory.bench.replay`` calls)."""
+    return measure(prompts, base_url, **options)
