@@ -118,7 +118,7 @@ class _FacadeCore:
     # -- pending turns (commit/abort by reservation id) -----------------------------------------------------------
     def _remember(self, turn: PreparedTurn) -> None:
         now = time.monotonic()
-        horizon = now - self.config.reservation_timeout_s
+        horizon = now - 2 * self.config.reservation_timeout_s  # past the store's deadline: it says "expired"
         with self._pending_lock:
             self._pending[turn.reservation_id] = (now, turn)
             while self._pending and (

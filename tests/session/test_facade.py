@@ -295,3 +295,21 @@ def test_partial_overlap_across_turns() -> None:
     off = CpMemory(config=CpMemoryConfig(partial_overlap=False))
     off.commit(off.prepare("c", "q1", old), "a1")
     assert [d.status for d in off.prepare("c", "q2", new).decisions] == ["new"]
+
+
+def test_commit_after_the_reservation_timeout_is_expired() -> None:
+    from cpmemory.errors import ReservationExpiredError
+
+    class Clock:
+        now = 0.0
+
+        def __call__(self) -> float:
+            return self.now
+
+    clock = Clock()
+    mem = CpMemory(store=InMemorySessionStore(clock=clock), config=CpMemoryConfig(reservation_timeout_s=5))
+    turn = mem.prepare("c", "q", blocks(1))
+    clock.now += 6
+    with pytest.raises(ReservationExpiredError):
+        mem.commit(turn.reservation_id, "late")
+    assert {d.status for d in mem.prepare("c", "q", blocks(1)).decisions} == {"new"}
