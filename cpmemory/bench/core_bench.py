@@ -1,9 +1,227 @@
-"""Placeholder command: replaced by the owning work stream."""
+"""``cpmemory bench core``: index build, search, reorder and dedup speed and memory on a seeded workload.
+
+The workload (:func:`make_workload`) draws each context's blocks from a shared corpus of ``corpus_factor * N``
+blocks with Zipf popularity (exponent ``zipf_a``, truncated to the corpus), in retrieval order, and makes a fraction
+of the contexts near-duplicates of earlier ones (a few blocks replaced, two swapped), as repeated or rephrased
+questions produce. Queries for the online figures come from the same process with another seed stream.
+
+Figures: ``build_seconds`` (batch build of N contexts), ``search_p50_ms`` / ``search_p99_ms`` (one search with N
+contexts indexed), ``reorder_p50_ms`` (reordering by the found prefix), ``insert_p50_ms``, ``dedup_p50_ms`` (the
+session stream's pure ``cpmemory.core.dedup.decide`` for one turn of a multi-turn conversation, or a seen-set
+dedup when that module is absent) and ``peak_rss_mb`` (the process's peak resident memory).
+"""
 from __future__ import annotations
 
+import json
+import resource
+import time
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import asdict, dataclass
+
+import numpy as np
 import typer
 
+from cpmemory.core.index import ContextIndex
+from cpmemory.core.ordering import reorder
 
-def command(json_output: bool = typer.Option(False, "--json", help="Print one JSON object on stdout.")) -> None:
-    """Not built yet."""
-    raise typer.Exit(code=2)
+QUERY_COUNT = 2000
+TURNS_PER_CONVERSATION = 5
+
+
+@dataclass(frozen=True, slots=True)
+class WorkloadSpec:
+    """Shape of the seeded workload."""
+
+    contexts: int
+    k: int
+    seed: int = 0
+    corpus_factor: int = 5
+    zipf_a: float = 1.1
+    near_duplicate_fraction: float = 0.2
+
+
+def make_workload(spec: WorkloadSpec, count: int | None = None, stream: int = 0) -> list[list[str]]:
+    """Return ``count`` (default ``spec.contexts``) contexts of ``spec.k`` distinct block keys. Deterministic."""
+    count = spec.contexts if count is None else count
+    rng = np.random.default_rng([spec.seed, stream])
+    corpus = max(spec.corpus_factor * spec.contexts, 2 * spec.k)
+    weights = np.arange(1, corpus + 1, dtype=np.float64) ** -spec.zipf_a
+    cumulative = np.cumsum(weights / weights.sum())
+    block_of_rank = rng.permutation(corpus)  # popular blocks get scattered ids
+
+    def draw(size: int) -> np.ndarray:
+        ranks = np.minimum(np.searchsorted(cumulative, rng.random(size)), corpus - 1)
+        return block_of_rank[ranks]
+
+    candidates = draw(count * spec.k * 3).reshape(count, spec.k * 3).tolist()
+    contexts: list[list[int]] = []
+    duplicates = rng.random(count) < spec.near_duplicate_fraction
+    for row in range(count):
+        if duplicates[row] and contexts:
+            contexts.append(_near_duplicate(contexts[int(rng.integers(len(contexts)))], rng, draw))
+        else:
+            keys = list(dict.fromkeys(candidates[row]))[: spec.k]
+            while len(keys) < spec.k:  # rare: the popular head filled the candidates with repeats
+                keys = list(dict.fromkeys(keys + draw(spec.k).tolist()))[: spec.k]
+            contexts.append(keys)
+    return [[f"d{block}" for block in context] for context in contexts]
+
+
+def _near_duplicate(source: list[int], rng: np.random.Generator, draw: Callable[[int], np.ndarray]) -> list[int]:
+    context = list(source)
+    for slot in rng.choice(len(context), size=min(len(context), int(rng.integers(1, 4))), replace=False):
+        replacement = next((int(b) for b in draw(16) if int(b) not in context), None)
+        if replacement is not None:
+            context[int(slot)] = replacement
+    if len(context) >= 2:
+        i, j = rng.choice(len(context), size=2, replace=False)
+        context[i], context[j] = context[j], context[i]
+    return context
+
+
+@dataclass(frozen=True, slots=True)
+class CoreFigures:
+    """What the bench prints (the JSON object's keys)."""
+
+    contexts: int
+    k: int
+    seed: int
+    build_seconds: float
+    build_exact: bool
+    distinct_contexts: int
+    nodes: int
+    search_p50_ms: float
+    search_p99_ms: float
+    reorder_p50_ms: float
+    insert_p50_ms: float
+    dedup_p50_ms: float
+    dedup_source: str
+    peak_rss_mb: float
+
+
+def _percentile_ms(samples_ns: Sequence[int], q: float) -> float:
+    return float(np.percentile(np.asarray(samples_ns, dtype=np.float64), q) / 1e6) if samples_ns else 0.0
+
+
+def _time_online(index: ContextIndex, queries: list[list[str]]) -> dict[str, list[int]]:
+    """Per-call nanoseconds of search, reorder and insert (inserted queries are evicted again)."""
+    clock = time.perf_counter_ns
+    searches, reorders, inserts = [], [], []
+    for query in queries:
+        start = clock()
+        found = index.search(query)
+        middle = clock()
+        reorder(query, found.prefix)
+        searches.append(middle - start)
+        reorders.append(clock() - middle)
+    for position, query in enumerate(queries):
+        start = clock()
+        index.insert(query, ("bench", position))
+        inserts.append(clock() - start)
+    for position in range(len(queries)):
+        index.evict(("bench", position))
+    return {"search": searches, "reorder": reorders, "insert": inserts}
+
+
+def _time_dedup(queries: list[list[str]]) -> tuple[list[int], str]:
+    """Per-turn nanoseconds of the dedup decision over conversations of TURNS_PER_CONVERSATION turns."""
+    try:
+        from cpmemory.core import dedup
+        from cpmemory.core.blocks import Block
+    except ImportError:  # pragma: no cover - the session stream's module is absent
+        return _time_seen_set_dedup(queries), "seen-set"
+    samples: list[int] = []
+    seen: set[str] = set()
+    for turn, query in enumerate(queries):
+        if turn % TURNS_PER_CONVERSATION == 0:
+            seen = set()
+        blocks = [Block(key, f"text of block {key}") for key in query]
+        digests = [block.content_hash for block in blocks]
+        frozen = frozenset(seen)
+        start = time.perf_counter_ns()
+        dedup.decide(blocks, digests, dedup.CommittedHistory(frozen), seen_hashes=frozen)
+        samples.append(time.perf_counter_ns() - start)
+        seen.update(digests)
+    return samples, "cpmemory.core.dedup.decide"
+
+
+def _time_seen_set_dedup(queries: list[list[str]]) -> list[int]:
+    samples: list[int] = []
+    seen: set[Hashable] = set()
+    for turn, query in enumerate(queries):
+        if turn % TURNS_PER_CONVERSATION == 0:
+            seen = set()
+        start = time.perf_counter_ns()
+        _decisions = [key in seen for key in query]
+        seen.update(query)
+        samples.append(time.perf_counter_ns() - start)
+    return samples
+
+
+def run_core_bench(spec: WorkloadSpec, progress: Callable[[str], None] = lambda _: None) -> CoreFigures:
+    """Run every phase and return the figures. Deterministic workload; timings are wall-clock."""
+    progress("workload")
+    contexts = make_workload(spec)
+    queries = make_workload(spec, count=min(QUERY_COUNT, max(spec.contexts, 1)), stream=1)
+    progress("build")
+    start = time.perf_counter()
+    index = ContextIndex.build(contexts, alpha=0.001)
+    build_seconds = time.perf_counter() - start
+    progress("search / reorder / insert")
+    online = _time_online(index, queries)
+    progress("dedup")
+    dedup_samples, dedup_source = _time_dedup(queries)
+    report = index.last_build
+    assert report is not None
+    return CoreFigures(
+        contexts=spec.contexts,
+        k=spec.k,
+        seed=spec.seed,
+        build_seconds=round(build_seconds, 4),
+        build_exact=report.exact,
+        distinct_contexts=report.distinct_contexts,
+        nodes=report.nodes,
+        search_p50_ms=round(_percentile_ms(online["search"], 50), 5),
+        search_p99_ms=round(_percentile_ms(online["search"], 99), 5),
+        reorder_p50_ms=round(_percentile_ms(online["reorder"], 50), 5),
+        insert_p50_ms=round(_percentile_ms(online["insert"], 50), 5),
+        dedup_p50_ms=round(_percentile_ms(dedup_samples, 50), 5),
+        dedup_source=dedup_source,
+        peak_rss_mb=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+    )
+
+
+def _print_table(figures: CoreFigures) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"cpmemory bench core: {figures.contexts} contexts of k={figures.k} (seed {figures.seed})")
+    table.add_column("figure")
+    table.add_column("value", justify="right")
+    table.add_column("target", justify="right")
+    targets = {"build_seconds": "<= 3 (12K)", "search_p50_ms": "search+reorder <= 0.1", "dedup_p50_ms": "<= 0.05"}
+    for name, value in asdict(figures).items():
+        table.add_row(name, str(value), targets.get(name, ""))
+    Console().print(table)
+
+
+def command(
+    contexts: int = typer.Option(12000, "--contexts", min=1, help="Number of contexts in the batch build."),
+    k: int = typer.Option(15, "--k", min=1, help="Blocks per context."),
+    seed: int = typer.Option(0, "--seed", help="Workload seed."),
+    json_output: bool = typer.Option(False, "--json", help="Print one JSON object on stdout."),
+) -> None:
+    """Index build / search / reorder / dedup speed and memory on a seeded Zipf workload."""
+    from rich.console import Console
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    spec = WorkloadSpec(contexts=contexts, k=k, seed=seed)
+    with Progress(
+        SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=Console(stderr=True), transient=True
+    ) as bar:
+        task = bar.add_task("starting", total=None)
+        figures = run_core_bench(spec, progress=lambda phase: bar.update(task, description=phase))
+    if json_output:
+        print(json.dumps(asdict(figures)))
+    else:
+        _print_table(figures)

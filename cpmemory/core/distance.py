@@ -26,7 +26,8 @@ from dataclasses import dataclass
 import numpy as np
 
 DEFAULT_ALPHA = 0.001
-_ROW_BLOCK_ELEMENTS = 4_000_000  # gathered int32 cells per row block (bounds the temporary memory to ~16 MB each)
+_ROW_BLOCK_ELEMENTS = 4_000_000
+_SMALL_CONTEXT = 32  # contexts up to this many blocks use the K x K comparison in pair_distances  # gathered int32 cells per row block (bounds the temporary memory to ~16 MB each)
 
 
 def unique_keys(context: Iterable[Hashable]) -> list[Hashable]:
@@ -183,6 +184,25 @@ def condensed_distances(encoded: EncodedContexts, alpha: float = DEFAULT_ALPHA) 
     return out
 
 
+def _pair_distances_padded(
+    encoded: EncodedContexts, padded: np.ndarray, left: np.ndarray, right: np.ndarray, alpha: float
+) -> np.ndarray:
+    """Small contexts: compare every slot of the left context with every slot of the right one (K x K per pair)."""
+    width = padded.shape[1]
+    slot_gap = np.abs(np.arange(width)[:, None] - np.arange(width)[None, :]).astype(np.int32)
+    out = np.empty(left.size, dtype=np.float64)
+    chunk = max(1, _ROW_BLOCK_ELEMENTS // (width * width))
+    for start in range(0, left.size, chunk):
+        a = padded[left[start : start + chunk]]
+        b = padded[right[start : start + chunk]]
+        same = (a[:, :, None] == b[:, None, :]) & (a[:, :, None] != encoded.vocabulary_size)
+        overlap = same.sum(axis=(1, 2))
+        position_sum = (same * slot_gap).sum(axis=(1, 2))
+        longest = np.maximum(encoded.lengths[left[start : start + chunk]], encoded.lengths[right[start : start + chunk]])
+        out[start : start + chunk] = _distance_from_sums(overlap, position_sum, longest, alpha)
+    return out
+
+
 def pair_distances(
     encoded: EncodedContexts, left: np.ndarray, right: np.ndarray, alpha: float = DEFAULT_ALPHA
 ) -> np.ndarray:
@@ -195,6 +215,9 @@ def pair_distances(
     right = np.asarray(right, dtype=np.int64)
     if left.size == 0:
         return np.zeros(0, dtype=np.float64)
+    padded = _padded(encoded)
+    if padded is not None and padded.shape[1] <= _SMALL_CONTEXT:
+        return _pair_distances_padded(encoded, padded, left, right, alpha)
     vocabulary = np.int64(encoded.vocabulary_size)
     row_of_entry = np.repeat(np.arange(encoded.size, dtype=np.int64), encoded.lengths)
     keys = row_of_entry * vocabulary + encoded.indices

@@ -111,6 +111,7 @@ class ContextIndex:
         self._nodes: dict[int, IndexNode] = {self._root.node_id: self._root}
         self._leaf_of: dict[Hashable, IndexNode] = {}
         self._recent: OrderedDict[int, IndexNode] = OrderedDict()  # leaves, least recently used first
+        self._leaf_by_set: dict[frozenset[Hashable], IndexNode] = {}  # identical block sets share one leaf
 
     # ----------------------------------------------------------------------------------------------- batch build
     @classmethod
@@ -162,6 +163,7 @@ class ContextIndex:
             self._nodes[node.node_id] = node
             if node.request_ids is not None:
                 self._recent[node.node_id] = node
+                self._leaf_by_set[node.content_set] = node
                 for request_id in node.request_ids:
                     self._leaf_of[request_id] = node
         self._enforce_cap(protect=None)
@@ -195,7 +197,8 @@ class ContextIndex:
         Mutates only the access counters (and the recency of a matched leaf). O(height * |context|).
         """
         keys, positions = _prepare(context)
-        trail = self._descend(keys, positions)
+        same = self._leaf_by_set.get(frozenset(keys))
+        trail = self._descend(keys, positions) if same is None else _trail_to(same)
         for node in trail:
             node.access_count += 1
         matched = trail[-1]
@@ -272,18 +275,20 @@ class ContextIndex:
         """
         self._check_new_request_id(request_id)
         keys, positions = _prepare(context)
-        trail = self._descend(keys, positions)
+        key_set = frozenset(keys)
+        same = self._leaf_by_set.get(key_set)
+        trail = self._descend(keys, positions) if same is None else _trail_to(same)
         for node in trail:
             node.access_count += 1
-        matched = trail[-1]
-        if matched.request_ids is not None and matched.content_set == positions.keys():
-            leaf, placed_under, prefix = matched, matched, matched.content
+        if same is not None:
+            leaf, placed_under, prefix = same, same, same.content
         else:
             placed_under = self._place(trail, positions)
             leaf = IndexNode(self._new_id(), aligned(placed_under.content, keys), leaf=True)
             leaf.access_count = 1
             placed_under.add_child(leaf)
             self._nodes[leaf.node_id] = leaf
+            self._leaf_by_set[key_set] = leaf
             prefix = placed_under.content
         assert leaf.request_ids is not None
         leaf.request_ids[request_id] = None
@@ -350,6 +355,7 @@ class ContextIndex:
             del self._leaf_of[request_id]
         del self._recent[leaf.node_id]
         del self._nodes[leaf.node_id]
+        del self._leaf_by_set[leaf.content_set]
         parent = leaf.parent
         assert parent is not None
         parent.remove_child(leaf)
@@ -408,6 +414,10 @@ class ContextIndex:
             raise IndexIntegrityError("the node map holds nodes that are not in the tree")
         if seen_leaves.keys() != self._recent.keys():
             raise IndexIntegrityError("the recency list and the leaves of the tree differ")
+        if len(self._leaf_by_set) != len(seen_leaves) or any(
+            self._leaf_by_set.get(leaf.content_set) is not leaf for leaf in seen_leaves.values()
+        ):
+            raise IndexIntegrityError("the block-set map and the leaves of the tree differ")
         for request_id, leaf in self._leaf_of.items():
             if seen_leaves.get(leaf.node_id) is not leaf or request_id not in (leaf.request_ids or {}):
                 raise IndexIntegrityError(f"request {request_id!r} maps to a leaf that does not hold it")
@@ -430,6 +440,14 @@ class ContextIndex:
         if stack:
             lines.append(f"... ({len(self._nodes) - len(lines)} more nodes)")
         return "\n".join(lines)
+
+
+def _trail_to(node: IndexNode) -> list[IndexNode]:
+    """The nodes from the root down to ``node``, root first. O(height)."""
+    trail = [node]
+    while trail[-1].parent is not None:
+        trail.append(trail[-1].parent)  # type: ignore[arg-type]
+    return trail[::-1]
 
 
 def _check_node(node: IndexNode, is_root: bool) -> None:
