@@ -69,3 +69,9 @@ def async_mem0_memory(tmp_path: Path) -> Any:
     from mem0 import AsyncMemory
 
     return AsyncMemory.from_config(mem0_config(tmp_path, fake_embedder(), EMBEDDING_SIZE))
+
+
+@pytest.fixture
+def mem0_config_for() -> Any:
+    """The :func:`mem0_config` builder, for tests that pick their own embedder."""
+    return mem0_config
