@@ -151,6 +151,7 @@ class StrategyResult:
     prompt_per_request: list[int] = field(default_factory=list)
     prompts: list[list[dict[str, str]]] | None = None
     real: dict[str, Any] | None = None
+    planning_seconds: float = 0.0
 
     @property
     def hit_rate(self) -> float:
@@ -170,6 +171,7 @@ class StrategyResult:
             "overhead_p50_ms": round(float(np.percentile(overhead, 50)), 4),
             "overhead_p99_ms": round(float(np.percentile(overhead, 99)), 4),
             "no_loss_violations": len(self.violations),
+            "planning_seconds": round(self.planning_seconds, 3),
         }
         if self.real is not None:
             out["real"] = self.real
@@ -322,7 +324,8 @@ def run_strategy(name: str, plan: StrategyPlan, trace: Trace, prepared: Sequence
         order = _lpm_order(trace, built, capacity)
     amortized_ms = plan.planning_seconds * 1000.0 / max(1, len(order))
     simulator = PrefixCacheSimulator(capacity, mode=settings.mode, page_size=settings.page_size)
-    result = StrategyResult(name, prompts=[] if settings.keep_prompts else None)
+    result = StrategyResult(name, prompts=[] if settings.keep_prompts else None,
+                            planning_seconds=plan.planning_seconds)
     for index in order:
         request, item = trace.requests[index], prepared[index]
         started = time.perf_counter()
@@ -382,15 +385,16 @@ def run_replay(trace: Trace, settings: ReplaySettings = ReplaySettings(),
     )
 
 
-def replay_on_engine(report: ReplayReport, url: str) -> None:
-    """Send every strategy's prompts (execution order) to a real engine; store TTFT and cached tokens per strategy."""
-    from cpmemory.engines import replay_real  # ENGINES stream
+def replay_on_engine(report: ReplayReport, url: str, *, model: str = "tiny", transport: Any = None) -> None:
+    """Send every strategy's prompts (execution order) to a real engine; keep its TTFT and cached tokens.
+
+    Uses ENGINES' ``cpmemory.engines.replay_real.measure`` (cache reset before each strategy). Mutates ``report``.
+    """
+    from cpmemory.engines.replay_real import measure
 
     for result in report.results.values():
         if result.prompts:
-            figures = replay_real.replay_real(url, result.prompts) if hasattr(replay_real, "replay_real") \
-                else replay_real(url, result.prompts)  # type: ignore[operator]
-            result.real = dict(figures)
+            result.real = dict(measure(result.prompts, url, model=model, transport=transport))
 
 
 # ---------------------------------------------------------------- command
@@ -419,6 +423,7 @@ def command(
     plot: Path | None = typer.Option(None, "--plot", help="Write a PNG plot of hit rate and cached tokens."),
     skip_bad: bool = typer.Option(False, "--skip-bad", help="Skip malformed trace lines instead of stopping."),
     multi_turn: bool | None = typer.Option(None, "--multi-turn/--independent", help="Override the trace's flag."),
+    model: str = typer.Option("tiny", "--model", help="Served model name (with --engine URL)."),
     json_output: bool = typer.Option(False, "--json", help="Print one JSON object on stdout."),
 ) -> None:
     """Replay a trace or a real workload through every strategy on the same cache; print a table or JSON."""
@@ -435,7 +440,7 @@ def command(
         with report_module.progress_bar(len(trace.requests) * len(names), f"replay {trace.name}") as advance:
             result = run_replay(trace, settings, advance)
         if engine != "sim":
-            replay_on_engine(result, engine)
+            replay_on_engine(result, engine, model=model)
     except (CpMemoryError, ImportError) as exc:
         err.print(f"[red]error:[/] {exc}")
         raise typer.Exit(code=2) from exc
