@@ -13,6 +13,8 @@ Phases, per backend:
   ``prepare_with_transcript_p50_ms`` is ``reserve`` also returning the stored transcript (facade with
   ``history=None``); ``commit_p50_ms`` / ``commit_p99_ms``; ``facade_prepare_p50_ms`` is ``CpMemory.prepare``
   (reserve + dedup + index + prompt) on the same store, history given by the caller.
+* **baseline**: ``ping_p50_ms``, a redis-py PING on the same client in the same run (the floor of any round
+  trip on this machine); ``prepare_over_ping`` is the ratio.
 * **round trips**, counted on the client socket (every ``send_packed_command`` of the connection class is one
   request/response exchange; a pipeline would count once), after one warm-up call that loads the scripts.
 * **concurrent** (asyncio store, all conversations at once): ``turns_per_second`` and the latency percentiles
@@ -263,6 +265,7 @@ def bench_redis_url(name: str, url: str, cluster: bool, workload: Workload, faca
     counter = RoundTripCounter()
     store = _sync_store(url, config, cluster, counter)
     try:
+        ping_p50_ms = _ping_p50_ms(store.client, cluster)
         sequential = run_sequential(store, workload, counter)
         run_facade(store, workload, sequential, facade_conversations)
 
@@ -277,7 +280,17 @@ def bench_redis_url(name: str, url: str, cluster: bool, workload: Workload, faca
     finally:
         _delete_prefix(store, config.prefix, cluster)
         store.close()
-    return summarize(name, workload, sequential, concurrent, wall, counted=True)
+    row = summarize(name, workload, sequential, concurrent, wall, counted=True)
+    return {**row, "ping_p50_ms": ping_p50_ms, "prepare_over_ping": round(row["prepare_p50_ms"] / ping_p50_ms, 2)}
+
+
+def _ping_p50_ms(client: Any, cluster: bool, count: int = 1000) -> float:
+    """Baseline measured in the same run: p50 of a redis-py PING (one round trip doing no work)."""
+    samples: list[float] = []
+    ping = (lambda: client.ping(target_nodes=client.get_random_node())) if cluster else client.ping
+    for _ in range(count):
+        _timed(samples, ping)
+    return _ms(samples, 0.5)
 
 
 def _sync_store(url: str, config: Any, cluster: bool, counter: RoundTripCounter) -> Any:
@@ -336,22 +349,28 @@ def run_backend(name: str, workload: Workload, redis_url: str, facade_conversati
         return {"backend": name, "skipped": f"missing dependency: {error}"}
 
 
+_TABLE_COLUMNS = {
+    "backend": "backend", "round_trips_per_prepare": "rt/prepare", "round_trips_per_commit": "rt/commit",
+    "ping_p50_ms": "ping p50", "prepare_p50_ms": "prepare p50", "prepare_p99_ms": "prepare p99",
+    "prepare_with_transcript_p50_ms": "prep+transcript p50", "commit_p50_ms": "commit p50",
+    "facade_prepare_p50_ms": "facade prepare p50", "turns_per_second": "turns/s (concurrent)",
+    "concurrent_prepare_p50_ms": "concurrent prepare p50",
+}
+
+
 def _table(results: dict[str, dict[str, Any]]) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    columns = ["backend", "round_trips_per_prepare", "round_trips_per_commit", "prepare_p50_ms", "prepare_p99_ms",
-               "prepare_with_transcript_p50_ms", "commit_p50_ms", "facade_prepare_p50_ms", "turns_per_second",
-               "concurrent_prepare_p50_ms"]
-    table = Table(title="Session store (latency: sequential; turns/s: all conversations concurrently)")
-    for column in columns:
-        table.add_column(column.replace("_", " "))
+    table = Table(title="Session store: latency in ms, sequential; turns/s with all conversations concurrent")
+    for header in _TABLE_COLUMNS.values():
+        table.add_column(header)
     for row in results.values():
         if "skipped" in row:
-            table.add_row(row["backend"], f"skipped: {row['skipped']}", *[""] * (len(columns) - 2))
+            table.add_row(row["backend"], f"skipped: {row['skipped']}", *[""] * (len(_TABLE_COLUMNS) - 2))
         else:
-            table.add_row(*(str(row.get(column, "")) for column in columns))
-    Console().print(table)
+            table.add_row(*(str(row.get(column, "-")) for column in _TABLE_COLUMNS))
+    Console(width=200).print(table)
 
 
 def command(

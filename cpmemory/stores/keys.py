@@ -5,7 +5,7 @@ conversation id)::
 
     P:{T:C}:state    hash   "turns" -> committed turns; "path" -> last search path (JSON);
                             "tenant" / "conversation" -> the raw ids (inspection only);
-                            "s:<content_hash>" -> "<turn>:<json [label, block_id]>"   (seen blocks)
+                            "s:<content_hash>" -> "<turn>:<len(label)>:<label><block_id>"   (seen blocks)
                             "i:<block_id utf-8>" -> content_hash                      (last hash per id)
     P:{T:C}:log      list   transcript messages (JSON), commit order
     P:{T:C}:paths    list   search path of each committed turn (JSON)

@@ -105,10 +105,19 @@ def _json_load(raw: bytes | str) -> Any:
     return json.loads(decode_text(raw))
 
 
+def _encode_seen(label: str, block_id: str) -> bytes:
+    """Seen payload ``<label byte length>:<label><block id>`` (commit.lua prepends ``<turn>:``)."""
+    label_bytes = encode_text(label)
+    return b"%d:%s%s" % (len(label_bytes), label_bytes, encode_text(block_id))
+
+
 def _decode_seen(content_hash: str, raw: bytes | str) -> SeenBlock:
-    turn, payload = decode_text(raw).split(":", 1)
-    label, block_id = json.loads(payload)
-    return SeenBlock(block_id=block_id, content_hash=content_hash, label=label, turn=int(turn))
+    data = raw.encode("utf-8", "surrogatepass") if isinstance(raw, str) else raw
+    turn, size, rest = data.split(b":", 2)
+    cut = int(size)
+    return SeenBlock(
+        block_id=decode_text(rest[cut:]), content_hash=content_hash, label=decode_text(rest[:cut]), turn=int(turn)
+    )
 
 
 def _decode_path(raw: bytes | str | None) -> tuple[int, ...]:
@@ -183,7 +192,7 @@ class RedisSessionCodec:
         messages = [_json_bytes(dict(message)) for message in record.messages]
         shown: list[Any] = []
         for block in record.shown:
-            payload = json.dumps([block.label, block.block_id], separators=(",", ":"))
+            payload = _encode_seen(block.label, block.block_id)
             shown.extend(("s:" + block.content_hash, payload, b"i:" + encode_text(block.block_id)))
         head = (
             self.ttl_ms,

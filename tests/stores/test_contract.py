@@ -219,11 +219,11 @@ async def test_abort_releases(store: Awaiting) -> None:
 
 
 async def test_ttl_expiry_reads_empty(backend: Any, make_store: Callable[..., Awaiting]) -> None:
-    store = make_store(ttl_s=0.3)
+    store = make_store(ttl_s=0.5)
     key = conversation()
     pairs = blocks("short-lived")
     assert await commit_turn(store, key, pairs) == 1
-    backend.sleep(0.6 + backend.timing_slack_s)
+    backend.sleep(0.9 + backend.timing_slack_s)
     reservation = await store.reserve(key, ReserveRequest(blocks=pairs))
     assert (reservation.turn, dict(reservation.seen), reservation.transcript) == (0, {}, ())
     assert await store.commit(key, reservation.reservation_id, record(pairs)) == 1
@@ -231,12 +231,12 @@ async def test_ttl_expiry_reads_empty(backend: Any, make_store: Callable[..., Aw
 
 
 async def test_ttl_is_refreshed_by_use(backend: Any, make_store: Callable[..., Awaiting]) -> None:
-    store = make_store(ttl_s=1.0)
+    store = make_store(ttl_s=1.5)
     key = conversation()
     pairs = blocks("kept alive")
     await commit_turn(store, key, pairs)
-    for _ in range(4):  # 4 x 0.4 s > the TTL, but every call refreshes it
-        backend.sleep(0.4)
+    for _ in range(4):  # 4 x 0.5 s > the TTL, but every call refreshes it
+        backend.sleep(0.5)
         reservation = await store.reserve(key, ReserveRequest(blocks=pairs))
         assert set(reservation.seen) == {pairs[0][1]}
         await store.abort(key, reservation.reservation_id)

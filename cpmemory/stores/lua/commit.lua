@@ -4,7 +4,7 @@
 -- ARGV[3] = raw tenant id   ARGV[4] = raw conversation id (kept in state for inspection only)
 -- ARGV[5] = search path JSON   ARGV[6] = m, the number of transcript messages
 -- ARGV[7 .. 6+m] = messages (JSON)   ARGV[7+m] = s, the number of shown blocks
--- then s triplets: "s:<content hash>", seen payload (JSON [label, block_id]), "i:<block id>"
+-- then s triplets: "s:<content hash>", seen payload ("<byte length of label>:<label><block id>"), "i:<block id>"
 -- Returns the committed turn number (>= 1); the same number again for a reservation already committed;
 -- -1 for an unknown reservation; -2 for an expired one (nothing is recorded in either case).
 -- Shown blocks are recorded under the turn number assigned here (not the one guessed at reserve time).
