@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
+from typing_extensions import Self
 
 from cpmemory.errors import EngineError, MissingDependencyError
 
@@ -304,7 +305,7 @@ class EngineClient:
         """Close the connection pool."""
         self._http.close()
 
-    def __enter__(self) -> EngineClient:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
@@ -407,7 +408,7 @@ class AsyncEngineClient:
         """Close the connection pool."""
         await self._http.aclose()
 
-    async def __aenter__(self) -> AsyncEngineClient:
+    async def __aenter__(self) -> Self:
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections import defaultdict
+from collections import OrderedDict, defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -79,6 +79,7 @@ class SyncStats:
     resyncs: int = 0
     reported_requests: int = 0
     target_errors: int = 0
+    dropped_registrations: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,16 +91,22 @@ class _Registration:
 class EvictionSync:
     """Maps engine block hashes to request ids and evicts the matching index leaves. Implements KVEventHandler."""
 
-    def __init__(self, target: IndexEvictor, hasher: BlockHasher) -> None:
+    def __init__(self, target: IndexEvictor, hasher: BlockHasher, *,
+                 max_tracked_requests: int = 1_000_000) -> None:
         """Args:
             target: the facade (or anything with ``evict`` and ``reset_index``).
             hasher: the engine's block hashing (block size from ``/metrics``).
+            max_tracked_requests: bound on the mapping; past it the oldest registration is forgotten (its leaf
+                is then left to the facade's own ``max_leaves_per_tenant`` bound).
         """
+        if max_tracked_requests < 1:
+            raise ValueError("max_tracked_requests must be >= 1")
         self.target = target
         self.hasher = hasher
+        self.max_tracked_requests = max_tracked_requests
         self.stats = SyncStats()
         self._lock = threading.Lock()
-        self._requests: dict[str, _Registration] = {}
+        self._requests: OrderedDict[str, _Registration] = OrderedDict()
         self._owners: dict[int, set[str]] = defaultdict(set)
         self._translation: dict[int, int] = {}
         # our 64-bit hash -> our full digest, for every block the engine reported stored: chaining the next
@@ -143,6 +150,9 @@ class EvictionSync:
             for block_hash in registration.hashes:
                 self._owners[block_hash].add(request_id)
             self.stats.registered += 1
+            while len(self._requests) > self.max_tracked_requests:
+                self._forget_locked(next(iter(self._requests)))
+                self.stats.dropped_registrations += 1
 
     def forget(self, request_id: str) -> bool:
         """Stop tracking ``request_id`` (e.g. its leaf was evicted by other means). Returns whether it was known."""
@@ -207,7 +217,7 @@ class EvictionSync:
         logger.info("eviction sync reset (%s)", reason)
         try:
             self.target.reset_index(None)
-        except Exception:  # noqa: BLE001 - called from the subscriber thread; count, log, carry on
+        except Exception:
             self.stats.target_errors += 1
             logger.exception("reset_index failed")
 
@@ -288,7 +298,7 @@ class EvictionSync:
         for tenant, request_ids in by_tenant.items():
             try:
                 leaves = self.target.evict(request_ids, tenant=tenant)
-            except Exception:  # noqa: BLE001 - the mapping is already dropped; the leaf stays until a reset
+            except Exception:
                 self.stats.target_errors += 1
                 logger.exception("evict failed for tenant %s", tenant)
                 continue

@@ -30,6 +30,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from typing_extensions import Self
+
 from cpmemory.engines.block_hashes import normalize_event_hash
 from cpmemory.errors import InvalidInputError, KVEventError, MissingDependencyError
 
@@ -147,13 +149,21 @@ def decode_event(raw: Any) -> KVEvent | None:
     )
 
 
+def _msgpack():
+    try:
+        import msgpack
+    except ImportError as error:
+        raise MissingDependencyError("engines", "msgpack") from error
+    return msgpack
+
+
 def decode_frames(frames: Sequence[bytes]) -> EventBatch:
     """Decode one multipart message ``[topic, sequence, payload]`` into an :class:`EventBatch`.
 
     Raises:
         KVEventError: wrong frame count, a sequence that is not 8 bytes, or an undecodable payload.
     """
-    import msgpack
+    msgpack = _msgpack()
 
     if len(frames) != 3:
         raise KVEventError(f"expected 3 frames [topic, sequence, payload], got {len(frames)}")
@@ -183,7 +193,7 @@ def decode_frames(frames: Sequence[bytes]) -> EventBatch:
 
 def encode_frames(batch: EventBatch, topic: str = "kv-events") -> list[bytes]:
     """Encode a batch in the wire format vLLM publishes (the inverse of :func:`decode_frames`; for tests, mocks)."""
-    import msgpack
+    msgpack = _msgpack()
 
     events: list[dict[str, Any]] = []
     for event in batch.events:
@@ -274,7 +284,7 @@ class FrameProcessor:
                                expected, batch.sequence)
                 self.handler.handle_gap(expected, batch.sequence)
             self.handler.handle_batch(batch)
-        except Exception as error:  # noqa: BLE001 - the subscriber thread must survive any handler failure
+        except Exception as error:
             self.stats.handler_errors += 1
             self.stats.last_error = f"{type(error).__name__}: {error}"
             logger.exception("KV-event handler failed")
@@ -332,7 +342,7 @@ class KVEventSubscriber:
             self._thread.join(timeout_s)
             self._thread = None
 
-    def __enter__(self) -> KVEventSubscriber:
+    def __enter__(self) -> Self:
         return self.start()
 
     def __exit__(self, *exc_info: object) -> None:

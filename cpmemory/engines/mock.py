@@ -26,7 +26,14 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from cpmemory.engines.block_hashes import BlockHasher
-from cpmemory.engines.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, KVEvent, encode_frames
+from cpmemory.engines.kv_events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    EventBatch,
+    KVEvent,
+    encode_frames,
+)
 from cpmemory.errors import MissingDependencyError
 
 FrameListener = Callable[[list[bytes]], None]
@@ -129,8 +136,8 @@ class MockEngine:
 
         with self._lock:
             lines = [
-                f'vllm:cache_config_info{{block_size="{self.hasher.block_size}",enable_prefix_caching="True",'
-                f'num_gpu_blocks="{self.capacity_blocks}",prefix_caching_hash_algo="{self.hasher.algorithm}"}} 1.0',
+                (f'vllm:cache_config_info{{block_size="{self.hasher.block_size}",enable_prefix_caching="True",'
+                f'num_gpu_blocks="{self.capacity_blocks}",prefix_caching_hash_algo="{self.hasher.algorithm}"}} 1.0'),
                 f'vllm:prefix_cache_queries_total{{model_name="{self.model}"}} {self._queries}',
                 f'vllm:prefix_cache_hits_total{{model_name="{self.model}"}} {self._hits}',
             ]

@@ -91,9 +91,9 @@ def test_real_timeout_against_a_silent_server():
         listener.bind(("127.0.0.1", 0))
         listener.listen()
         url = f"http://127.0.0.1:{listener.getsockname()[1]}"
-        with EngineClient(EngineSettings(base_url=url, timeout_s=0.3, connect_timeout_s=0.3)) as silent:
-            with pytest.raises(EngineError, match="timed out"):
-                silent.chat(messages("q"))
+        settings = EngineSettings(base_url=url, timeout_s=0.3, connect_timeout_s=0.3)
+        with EngineClient(settings) as silent, pytest.raises(EngineError, match="timed out"):
+            silent.chat(messages("q"))
 
 
 def test_tokenize_metrics_and_reset(engine, client):

@@ -176,3 +176,12 @@ def test_stored_block_with_unknown_parent_is_assumed_exact():
     sync.register("r1", list(range(100, 104)))  # re-registering replaces the prompt
     assert sync.requests_for(hashes[1]) == set()
     assert sync.forget("r1") and not sync.forget("r1")
+
+
+def test_registrations_are_bounded():
+    sync = EvictionSync(CpMemory(), BlockHasher(4), max_tracked_requests=2)
+    first = sync.register("r1", [1, 2, 3, 4])
+    sync.register("r2", [5, 6, 7, 8])
+    sync.register("r3", [9, 10, 11, 12])
+    assert sync.tracked_requests() == 2 and sync.stats.dropped_registrations == 1
+    assert sync.requests_for(first[0]) == set()

@@ -22,8 +22,7 @@ from cpmemory.engines.replay_real import measure
 
 pytestmark = pytest.mark.vllm
 
-WORDS = ("cache prefix block engine token memory query answer context vector index tree request "
-         "reorder schedule session tenant replica router event hash model prompt").split()
+WORDS = ["cache", "prefix", "block", "engine", "token", "memory", "query", "answer", "context", "vector", "index", "tree", "request", "reorder", "schedule", "session", "tenant", "replica", "router", "event", "hash", "model", "prompt"]
 
 
 def text_of(seed: int, words: int) -> str:
