@@ -145,6 +145,7 @@ def test_reordering_raises_cached_tokens(live):
     before = measure(original, url)
     after = measure(reordered, url)
     assert before["prompt_tokens"] == pytest.approx(after["prompt_tokens"], rel=0.05)
+    print(f"\noriginal: {before}\ncpmemory: {after}")
     assert after["cached_tokens"] > before["cached_tokens"] + 2 * 128, (before, after)
 
 
