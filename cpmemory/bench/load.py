@@ -229,6 +229,7 @@ async def run_load(conversations: int, turns: int, engine: str, replicas: int, b
         progress.cancel()
         server.should_exit = True
         await serving
+        await recording.aclose()
     return _figures(stats, conversations, turns, wall)
 
 

@@ -134,6 +134,7 @@ def create_app(
         raise MissingDependencyError("server", "fastapi") from error
     metrics = ProxyMetrics(len(config.engines))
     router = Router(config.engines, config.router)
+    owns_transport, owns_memory = transport is None, memory is None
     dispatcher = Dispatcher(router, transport or HttpxChatTransport(), timeout_s=config.engine_timeout_s)
     service = ProxyService(memory or build_memory(config), dispatcher, metrics, config.cache_salt_secret)
 
@@ -146,8 +147,11 @@ def create_app(
         finally:
             stop.set()
             await probe
-            await dispatcher.transport.aclose()
-            await _close_store(service.memory)
+            # close only what the app made: a caller's transport or memory may outlive this app
+            if owns_transport:
+                await dispatcher.transport.aclose()
+            if owns_memory:
+                await _close_store(service.memory)
 
     app = FastAPI(title="cpmemory proxy", version="0.1.0", lifespan=lifespan)
     app.state.service = service
