@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import os
 import secrets
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -262,6 +263,82 @@ def _unavailable_on_failure(errors: tuple[type[BaseException], ...], operation: 
         raise StoreUnavailableError(f"redis {operation} failed: {type(error).__name__}: {error}") from error
 
 
+class DirectScriptRunner:
+    """Runs the registered scripts on connections kept out of a standalone ``redis.Redis`` client's pool.
+
+    Why: on loopback, redis-py's generic command path (pool checkout with a readiness poll and locks, the retry
+    wrapper, observability hooks and event dispatch) costs about as much as the round trip itself. The hot path
+    only needs ``EVALSHA`` on a connected socket, so each thread takes a connection from a small idle stack
+    (``list.pop``/``append`` are atomic), sends, reads, and puts it back. A connection that failed is disconnected and
+    handed back to the pool; a ``ConnectionError`` (a stale socket after a server restart, or a refused connect)
+    is retried on a fresh connection ``retries`` times (at least once). ``NOSCRIPT`` loads the script on the same
+    connection and retries, so a restarted server recovers by itself. After a fork the idle stack is dropped.
+    """
+
+    def __init__(self, client: Any, scripts: dict[str, Any], retries: int) -> None:
+        from redis.exceptions import ConnectionError as RedisConnectionError
+        from redis.exceptions import NoScriptError
+
+        self._pool = client.connection_pool
+        self._scripts = scripts
+        self._idle: list[Any] = []
+        self._pid = os.getpid()
+        self._attempts = 1 + max(1, retries)
+        self._retryable = RedisConnectionError
+        self._no_script = NoScriptError
+
+    def __call__(self, call: ScriptCall) -> Any:
+        """Run one script call: one round trip (three the first time a server sees the script)."""
+        script = self._scripts[call.script]
+        for attempt in range(self._attempts):
+            connection = self._checkout()
+            try:
+                reply = self._evalsha(connection, script, call)
+            except BaseException as error:
+                connection.disconnect()
+                self._pool.release(connection)
+                if isinstance(error, self._retryable) and attempt + 1 < self._attempts:
+                    continue
+                raise
+            self._idle.append(connection)
+            return reply
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _checkout(self) -> Any:
+        if self._pid != os.getpid():  # never share a parent's sockets
+            self._idle, self._pid = [], os.getpid()
+        try:
+            return self._idle.pop()
+        except IndexError:
+            return self._pool.get_connection()
+
+    def _evalsha(self, connection: Any, script: Any, call: ScriptCall) -> Any:
+        try:
+            connection.send_command("EVALSHA", script.sha, len(call.keys), *call.keys, *call.args)
+            return connection.read_response()
+        except self._no_script:
+            connection.send_command("SCRIPT", "LOAD", script.script)
+            script.sha = decode_text(connection.read_response())
+            connection.send_command("EVALSHA", script.sha, len(call.keys), *call.keys, *call.args)
+            return connection.read_response()
+
+    def close(self) -> None:
+        """Hand the idle connections back to the pool."""
+        idle, self._idle = self._idle, []
+        for connection in idle:
+            self._pool.release(connection)
+
+
+def _direct_runner(client: Any, scripts: dict[str, Any], retries: int) -> DirectScriptRunner | None:
+    """A DirectScriptRunner for a standalone synchronous client with a standard pool; None otherwise."""
+    import redis
+
+    pool = getattr(client, "connection_pool", None)
+    if isinstance(client, redis.Redis) and isinstance(pool, redis.ConnectionPool):
+        return DirectScriptRunner(client, scripts, retries)
+    return None
+
+
 class _RedisStoreBase:
     """What both stores share: config, codec, and the registered scripts of one client."""
 
@@ -282,7 +359,9 @@ class _RedisStoreBase:
 class RedisSessionStore(_RedisStoreBase):
     """Synchronous SessionStore on ``redis.Redis`` or ``redis.cluster.RedisCluster``. One round trip per call.
 
-    Thread-safe as far as the redis-py client is (its connection pool is).
+    Thread-safe. On a standalone ``redis.Redis`` the scripts run through :class:`DirectScriptRunner` (pass
+    ``direct=False`` to use redis-py's generic ``Script`` path instead, e.g. to keep a custom retry policy);
+    cluster clients always use ``Script``.
     """
 
     @classmethod
@@ -297,8 +376,14 @@ class RedisSessionStore(_RedisStoreBase):
         factory = RedisCluster.from_url if cluster else redis.Redis.from_url
         return cls(factory(url, **config.client_kwargs()), config)
 
+    def __init__(self, client: Any, config: RedisStoreConfig | None = None, *, direct: bool = True) -> None:
+        super().__init__(client, config)
+        self._direct = _direct_runner(client, self._scripts, self.config.retries) if direct else None
+
     def _run(self, call: ScriptCall) -> Any:
         with _unavailable_on_failure(self._errors, call.script):
+            if self._direct is not None:
+                return self._direct(call)
             return self._scripts[call.script](keys=call.keys, args=call.args)
 
     def reserve(self, key: ConversationKey, request: ReserveRequest) -> Reservation:
@@ -326,6 +411,8 @@ class RedisSessionStore(_RedisStoreBase):
 
     def close(self) -> None:
         """Close the client's connections."""
+        if self._direct is not None:
+            self._direct.close()
         self.client.close()
 
 

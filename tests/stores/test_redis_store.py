@@ -186,3 +186,41 @@ def test_async_and_sync_stores_share_one_encoding() -> None:
 
     turn, state = asyncio.run(scenario())
     assert turn == 1 and state == sync_store.load(key)
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "redis-py-script"])
+def test_both_script_paths_agree(direct: bool) -> None:
+    client = fakeredis.FakeRedis()
+    store = RedisSessionStore(client, RedisStoreConfig(prefix="paths"), direct=direct)
+    key = ConversationKey("tenant", "paths")
+    reservation = store.reserve(key, ReserveRequest(blocks=_pairs("a", "b")))
+    client.script_flush()
+    assert store.commit(key, reservation.reservation_id, _record(_pairs("a"))) == 1
+    again = store.reserve(key, ReserveRequest(blocks=_pairs("a", "b")))
+    assert set(again.seen) == {content_hash("a")} and again.transcript[0]["content"] == "q"
+    store.close()
+
+
+def _hammer(store: RedisSessionStore, key: ConversationKey, worker: int, turns: int) -> list[int]:
+    numbers = []
+    for turn in range(turns):
+        pairs = _pairs(f"w{worker}-t{turn}", "shared")
+        reservation = store.reserve(key, ReserveRequest(blocks=pairs, include_transcript=False))
+        numbers.append(store.commit(key, reservation.reservation_id, _record(pairs)))
+    return numbers
+
+
+@pytest.mark.redis
+def test_direct_path_is_thread_safe(real_redis: str, run_prefix: str) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    store = RedisSessionStore.from_url(real_redis, RedisStoreConfig(prefix=run_prefix, socket_timeout_s=5.0))
+    key = ConversationKey("tenant", "threads")
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        results = list(pool.map(lambda worker: _hammer(store, key, worker, 25), range(8)))
+    numbers = sorted(number for numbers in results for number in numbers)
+    assert numbers == list(range(1, 201))
+    state = store.load(key)
+    assert state.turns == 200 and len(state.transcript) == 400 and state.open_reservations == 0
+    store.delete(key)
+    store.close()
