@@ -9,7 +9,8 @@ STAMP = $(VENV)/.installed
 $(STAMP): pyproject.toml
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q -e '.[all,dev]'
+	# torch==2.13.0 is the CPU build (a local file on this machine kind); unpinned, pip takes a CUDA build.
+	$(PIP) install -q -e '.[all,dev]' 'torch==2.13.0'
 	$(PIP) install -q --no-deps 'contextpilot==0.5.0'
 	touch $(STAMP)
 
