@@ -13,8 +13,8 @@ Phases, per backend:
   ``prepare_with_transcript_p50_ms`` is ``reserve`` also returning the stored transcript (facade with
   ``history=None``); ``commit_p50_ms`` / ``commit_p99_ms``; ``facade_prepare_p50_ms`` is ``CpMemory.prepare``
   (reserve + dedup + index + prompt) on the same store, history given by the caller.
-* **baseline**: ``ping_p50_ms``, a redis-py PING on the same client in the same run (the floor of any round
-  trip on this machine); ``prepare_over_ping`` is the ratio.
+* **baseline**: ``ping_p50_ms``, a redis-py PING on the same client timed right before each prepare (the floor of
+  any round trip on this machine under the same load); ``prepare_over_ping`` is the ratio of the p50s.
 * **round trips**, counted on the client socket (every ``send_packed_command`` of the connection class is one
   request/response exchange; a pipeline would count once), after one warm-up call that loads the scripts.
 * **concurrent** (asyncio store, all conversations at once): ``turns_per_second`` and the latency percentiles
@@ -143,6 +143,7 @@ class Samples:
     prepare_transcript: list[float] = field(default_factory=list)
     commit: list[float] = field(default_factory=list)
     facade_prepare: list[float] = field(default_factory=list)
+    ping: list[float] = field(default_factory=list)
     prepare_round_trips: int = 0
     commit_round_trips: int = 0
 
@@ -154,8 +155,12 @@ def _timed(samples: list[float], call: Callable[..., Any], *args: Any, **kwargs:
     return result
 
 
-def run_sequential(store: Any, workload: Workload, counter: RoundTripCounter | None) -> Samples:
-    """Every conversation, one at a time, on a synchronous store; counts round trips when ``counter`` is given."""
+def run_sequential(store: Any, workload: Workload, counter: RoundTripCounter | None,
+                   ping: Callable[[], Any] | None = None) -> Samples:
+    """Every conversation, one at a time, on a synchronous store; counts round trips when ``counter`` is given.
+
+    With ``ping`` (one no-op round trip), a ping is timed right before each prepare: a baseline under the same load.
+    """
     samples = Samples()
     warm_key = ConversationKey(workload.tenant, "warm-up")
     for include in (False, True):  # loads the scripts (NOSCRIPT) outside the counted calls
@@ -166,6 +171,8 @@ def run_sequential(store: Any, workload: Workload, counter: RoundTripCounter | N
         for turn, blocks in enumerate(conversation):
             peek = _timed(samples.prepare_transcript, store.reserve, key, _request(blocks, True))
             store.abort(key, peek.reservation_id)
+            if ping is not None:
+                _timed(samples.ping, ping)
             before = counter.sends if counter else 0
             reservation = _timed(samples.prepare, store.reserve, key, _request(blocks, False))
             middle = counter.sends if counter else 0
@@ -265,8 +272,7 @@ def bench_redis_url(name: str, url: str, cluster: bool, workload: Workload, faca
     counter = RoundTripCounter()
     store = _sync_store(url, config, cluster, counter)
     try:
-        ping_p50_ms = _ping_p50_ms(store.client, cluster)
-        sequential = run_sequential(store, workload, counter)
+        sequential = run_sequential(store, workload, counter, _ping(store.client, cluster))
         run_facade(store, workload, sequential, facade_conversations)
 
         async def concurrent_phase() -> tuple[Samples, float]:
@@ -281,16 +287,15 @@ def bench_redis_url(name: str, url: str, cluster: bool, workload: Workload, faca
         _delete_prefix(store, config.prefix, cluster)
         store.close()
     row = summarize(name, workload, sequential, concurrent, wall, counted=True)
+    ping_p50_ms = _ms(sequential.ping, 0.5)
     return {**row, "ping_p50_ms": ping_p50_ms, "prepare_over_ping": round(row["prepare_p50_ms"] / ping_p50_ms, 2)}
 
 
-def _ping_p50_ms(client: Any, cluster: bool, count: int = 1000) -> float:
-    """Baseline measured in the same run: p50 of a redis-py PING (one round trip doing no work)."""
-    samples: list[float] = []
-    ping = (lambda: client.ping(target_nodes=client.get_random_node())) if cluster else client.ping
-    for _ in range(count):
-        _timed(samples, ping)
-    return _ms(samples, 0.5)
+def _ping(client: Any, cluster: bool) -> Callable[[], Any]:
+    """A no-op round trip on the same client (the baseline): PING, on the node of the benchmark keys for a cluster."""
+    if cluster:
+        return lambda: client.ping(target_nodes=client.get_random_node())
+    return client.ping
 
 
 def _sync_store(url: str, config: Any, cluster: bool, counter: RoundTripCounter) -> Any:
