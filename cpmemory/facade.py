@@ -207,6 +207,10 @@ class _FacadeCore:
         """Drop one tenant's index (or all of them): the engine's cache was flushed."""
         self._indexes.reset(tenant)
 
+    def check_index(self, tenant: str = "default") -> None:
+        """Check the tenant's index invariants (raises IndexIntegrityError on corruption; for tests and tools)."""
+        self._indexes.check_integrity(tenant)
+
     def index_size(self, tenant: str = "default") -> int:
         """Number of requests in the tenant's index."""
         return self._indexes.size(tenant)

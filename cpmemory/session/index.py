@@ -138,3 +138,11 @@ class TenantIndexes:
         with self._lock:
             index = self._indexes.get(tenant)
             return 0 if index is None else len(index)
+
+    def check_integrity(self, tenant: str) -> None:
+        """Run the tenant index's own integrity check when it has one (raises IndexIntegrityError)."""
+        with self._lock:
+            index = self._indexes.get(tenant)
+            check = getattr(index, "check_integrity", None)
+            if check is not None:
+                check()
