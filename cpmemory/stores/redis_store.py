@@ -63,7 +63,7 @@ class RedisStoreConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     prefix: str = DEFAULT_PREFIX
-    ttl_s: float = Field(default=7 * 24 * 3600.0, ge=0)
+    ttl_s: float = Field(default=24 * 3600.0, ge=0)
     socket_timeout_s: float = Field(default=0.2, gt=0)
     connect_timeout_s: float = Field(default=0.2, gt=0)
     retries: int = Field(default=1, ge=0, le=10)

@@ -224,3 +224,18 @@ def test_direct_path_is_thread_safe(real_redis: str, run_prefix: str) -> None:
     assert state.turns == 200 and len(state.transcript) == 400 and state.open_reservations == 0
     store.delete(key)
     store.close()
+
+
+@pytest.mark.parametrize("ttl_s", [0.0, 600.0])
+def test_every_key_gets_the_ttl(ttl_s: float) -> None:
+    client = fakeredis.FakeRedis()
+    store = RedisSessionStore(client, RedisStoreConfig(prefix="ttl", ttl_s=ttl_s))
+    key = ConversationKey("tenant", "ttl")
+    pending = store.reserve(key, ReserveRequest(blocks=_pairs("a")))
+    assert client.pttl(store.key_scheme.keys(key).res) == (-1 if ttl_s == 0 else pytest.approx(600_000, abs=5_000))
+    store.commit(key, pending.reservation_id, _record(_pairs("a")))
+    store.reserve(key, ReserveRequest(blocks=_pairs("a")))
+    names = store.key_scheme.keys(key).all()
+    assert client.exists(*names) == len(names)  # state, log, paths, res (one open), done
+    for name in names:  # no key is ever left without the conversation's expiry
+        assert client.pttl(name) == (-1 if ttl_s == 0 else pytest.approx(600_000, abs=5_000))
