@@ -142,11 +142,18 @@ def create_app(
     async def lifespan(_: Any) -> AsyncIterator[None]:
         stop = asyncio.Event()
         probe = asyncio.create_task(dispatcher.probe_forever(stop))
+        if config.kv_events:
+            from cpmemory.server.kv_sync import KVSyncHub
+
+            service.kv_sync = KVSyncHub(service.memory, config.engines, config.kv_events)
+            await service.kv_sync.start()
         try:
             yield
         finally:
             stop.set()
             await probe
+            if service.kv_sync is not None:
+                await service.kv_sync.stop()
             # close only what the app made: a caller's transport or memory may outlive this app
             if owns_transport:
                 await dispatcher.transport.aclose()
@@ -277,6 +284,8 @@ def _install_routes(app: Any, service: ProxyService, resolve_tenant: _TenantReso
 
     @app.get("/metrics")
     async def metrics() -> Any:
+        if service.kv_sync is not None:
+            service.metrics.observe_kv_sync(service.kv_sync.stats(), service.kv_sync.failures)
         body, content_type = service.metrics.render()
         return Response(body, media_type=content_type)
 

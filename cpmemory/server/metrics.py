@@ -48,11 +48,22 @@ class ProxyMetrics:
         self.healthy_replicas = Gauge("cpmemory_healthy_replicas", "Replicas in rotation", registry=registry)
         self.healthy_replicas.set(replica_count)
         self.evictions = Counter("cpmemory_evicted_leaves", "Index leaves removed by reports", registry=registry)
+        self.kv_sync = Gauge("cpmemory_kv_sync", "KV-event eviction sync counters per replica", ["replica", "counter"],
+                             registry=registry)
+        self.kv_sync_failures = Gauge("cpmemory_kv_sync_failures", "Prompt registrations that failed",
+                                      registry=registry)
 
     def observe_blocks(self, statuses: list[str]) -> None:
         """Count one request's block decisions."""
         for status in statuses:
             self.blocks.labels(status=status if status in BLOCK_STATUSES else "other").inc()
+
+    def observe_kv_sync(self, stats: dict[int, Any], failures: int) -> None:
+        """Copy the eviction-sync counters of each replica into gauges (called on scrape)."""
+        for replica, values in stats.items():
+            for name in ("registered", "removed_blocks", "evicted_requests", "evicted_leaves", "resets", "resyncs"):
+                self.kv_sync.labels(replica=str(replica), counter=name).set(getattr(values, name, 0))
+        self.kv_sync_failures.set(failures)
 
     def render(self) -> tuple[bytes, str]:
         """Return the exposition body and its content type."""

@@ -116,6 +116,7 @@ class ProxyService:
         self.dispatcher = dispatcher
         self.metrics = metrics
         self._salt_secret = salt_secret.encode("utf-8")
+        self.kv_sync: Any = None  # a KVSyncHub when the engines publish KV events (set by the app's lifespan)
 
     def cache_salt(self, tenant: str) -> str:
         """The tenant's vLLM ``cache_salt``: a keyed hash of the tenant, stable across restarts."""
@@ -172,6 +173,8 @@ class ProxyService:
             self.metrics.requests.labels(replica="none", outcome="engine_error").inc()
             raise
         committed = await self.commit(prepared, completion_text(result.response))
+        if committed and self.kv_sync is not None:
+            self.kv_sync.register_later(result.decision.index, request_id, payload, tenant)
         self._count_engine(result.decision.index, result.failovers, result.response.get("usage"))
         overhead = time.perf_counter() - started - result.engine_seconds
         info = self.turn_info(turn, prepared, result.decision, result.failovers, result.response.get("usage"),

@@ -1,0 +1,124 @@
+"""Keep the proxy's context index in step with what each engine replica evicts (vLLM KV-cache events).
+
+One ``EvictionSync`` and one ``KVEventSubscriber`` (a ZMQ thread) per replica, from ``cpmemory.engines``. After a
+turn succeeds on a replica, the proxy registers the prompt it sent there: the replica's ``/tokenize`` gives the token
+ids (chat template applied) and the sync computes the chained block hashes. When the replica later reports those
+blocks removed, the matching index leaves are evicted from the tenant's index; ``AllBlocksCleared`` or a gap in the
+event sequence resets the index (never a silently wrong index).
+
+Registration runs in a background task after the response is sent, so it adds no latency to the request. Its
+failures only cost reuse (the leaf stays until the index's own cap evicts it) and are counted.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from cpmemory.errors import CpMemoryError, InvalidInputError
+
+logger = logging.getLogger(__name__)
+MAX_PENDING_REGISTRATIONS = 1024
+
+
+@dataclass(slots=True)
+class _Replica:
+    url: str
+    sync: Any
+    subscriber: Any
+
+
+@dataclass(slots=True)
+class KVSyncHub:
+    """Eviction sync for every replica that has a KV-event endpoint. Use from one event loop."""
+
+    memory: Any
+    engines: Sequence[str]
+    endpoints: Sequence[str]
+    failures: int = 0
+    _replicas: dict[int, _Replica] = field(default_factory=dict)
+    _pending: set[asyncio.Task] = field(default_factory=set)
+    _http: Any = None
+
+    def __post_init__(self) -> None:
+        if self.endpoints and len(self.endpoints) != len(self.engines):
+            raise InvalidInputError("give one KV-event endpoint per engine, in the same order")
+
+    async def start(self) -> None:
+        """Read each replica's cache config (one ``/metrics`` call) and start its subscriber thread.
+
+        A replica whose config cannot be read runs without eviction sync (logged, counted); the proxy still serves.
+        """
+        import httpx
+
+        from cpmemory.engines.client import AsyncEngineClient
+        from cpmemory.engines.eviction_sync import EvictionSync
+        from cpmemory.engines.kv_events import KVEventSubscriber
+
+        self._http = httpx.AsyncClient(timeout=30.0)
+        for index, (url, endpoint) in enumerate(zip(self.engines, self.endpoints)):
+            client = AsyncEngineClient(url)
+            try:
+                sync = EvictionSync.for_engine(self.memory, _ConfigOnce(await client.cache_config()))
+                subscriber = await asyncio.to_thread(KVEventSubscriber(endpoint, sync).start)
+            except (CpMemoryError, OSError) as error:
+                logger.warning("no eviction sync for replica %d (%s): %s", index, url, error)
+                self.failures += 1
+                continue
+            finally:
+                await client.aclose()
+            self._replicas[index] = _Replica(url.rstrip("/"), sync, subscriber)
+
+    def register_later(self, replica: int, request_id: str, payload: Mapping[str, Any], tenant: str) -> None:
+        """Schedule the registration of a prompt sent to ``replica`` (no-op without a sync for it)."""
+        state = self._replicas.get(replica)
+        if state is None or not request_id:
+            return
+        if len(self._pending) >= MAX_PENDING_REGISTRATIONS:  # bounded: under overload, skip (costs reuse only)
+            self.failures += 1
+            return
+        task = asyncio.create_task(self._register(state, request_id, payload, tenant))
+        self._pending.add(task)
+        task.add_done_callback(self._pending.discard)
+
+    async def _register(self, state: _Replica, request_id: str, payload: Mapping[str, Any], tenant: str) -> None:
+        """Tokenize the prompt as the replica does (``/tokenize``, same model and messages) and register it."""
+        import httpx
+
+        from cpmemory.engines.client import parse_tokenize, tokenize_body
+
+        body = tokenize_body(payload.get("messages") or [], None, str(payload.get("model", "")))
+        try:
+            response = await self._http.post(f"{state.url}/tokenize", json=body)
+            response.raise_for_status()
+            tokens = parse_tokenize(response.json())
+            state.sync.register(request_id, tokens, tenant=tenant, cache_salt=payload.get("cache_salt"))
+        except (CpMemoryError, httpx.HTTPError, ValueError) as error:
+            self.failures += 1
+            logger.debug("registration of %s failed: %s", request_id, error)
+
+    def stats(self) -> dict[int, Any]:
+        """The sync counters of each synced replica."""
+        return {index: state.sync.stats for index, state in self._replicas.items()}
+
+    async def stop(self) -> None:
+        """Cancel pending registrations, stop the subscriber threads, close the clients."""
+        for task in list(self._pending):
+            task.cancel()
+        for state in self._replicas.values():
+            await asyncio.to_thread(state.subscriber.stop)
+        self._replicas.clear()
+        if self._http is not None:
+            await self._http.aclose()
+
+
+@dataclass(frozen=True, slots=True)
+class _ConfigOnce:
+    """A CacheConfigSource over an already-read config (EvictionSync.for_engine calls it synchronously)."""
+
+    config: Any
+
+    def cache_config(self) -> Any:
+        return self.config
