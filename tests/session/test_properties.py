@@ -60,6 +60,7 @@ def test_no_block_is_ever_lost(plan, partial: bool) -> None:
             assert mem.abort(turn)
         else:
             open_turns.append(turn)
+        mem.check_index()
     for turn in open_turns:  # late commits of concurrent turns stay consistent
         mem.commit(turn, "late")
     state = mem.store.load(_key())
