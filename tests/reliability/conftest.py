@@ -63,9 +63,9 @@ class Process:
         self.popen = None
 
 
-def engine_process(port: int | None = None) -> Process:
+def engine_process(port: int | None = None, *extra: str) -> Process:
     port = port or free_port()
-    return Process([sys.executable, str(HERE / "engine_server.py"), str(port)], port, "/health")
+    return Process([sys.executable, str(HERE / "engine_server.py"), str(port), *extra], port, "/health")
 
 
 def proxy_process(engines: list[str], *extra: str, port: int | None = None) -> Process:
@@ -82,9 +82,13 @@ class Launcher:
     def __init__(self) -> None:
         self.made: list[Process] = []
 
-    def engine(self) -> Process:
-        self.made.append(engine_process())
+    def engine(self, *extra: str) -> Process:
+        self.made.append(engine_process(None, *extra))
         return self.made[-1]
+
+    @staticmethod
+    def free_port() -> int:
+        return free_port()
 
     def proxy(self, engines: list[str], *extra: str) -> Process:
         self.made.append(proxy_process(engines, *extra))

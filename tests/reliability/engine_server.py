@@ -1,4 +1,6 @@
-"""A mock engine replica as a real process: ``python engine_server.py PORT`` serves cpmemory.engines.mock on loopback.
+"""A mock engine replica as a real process: ``python engine_server.py PORT [KV_PORT [CAPACITY_BLOCKS]]`` serves
+cpmemory.engines.mock on loopback; with KV_PORT it publishes its KV events on tcp://127.0.0.1:KV_PORT (ZMQ PUB, the
+frames vLLM sends).
 
 Extra endpoint for tests: ``GET /_mock/requests`` -> [{"request_id", "messages", "cache_salt"}] of every chat request.
 """
@@ -32,6 +34,18 @@ def build(engine: MockEngine) -> Starlette:
                              Route("/{path:path}", forward, methods=["GET", "POST"])])
 
 
+def main(argv: list[str]) -> None:
+    listener = None
+    if len(argv) > 2:
+        import zmq
+
+        socket = zmq.Context.instance().socket(zmq.PUB)
+        socket.bind(f"tcp://127.0.0.1:{int(argv[2])}")
+        listener = socket.send_multipart
+    capacity = int(argv[3]) if len(argv) > 3 else 1 << 14
+    engine = MockEngine(block_size=16, capacity_blocks=capacity, listener=listener)
+    uvicorn.run(build(engine), host="127.0.0.1", port=int(argv[1]), log_level="error")
+
+
 if __name__ == "__main__":
-    uvicorn.run(build(MockEngine(block_size=16, capacity_blocks=1 << 14)), host="127.0.0.1",
-                port=int(sys.argv[1]), log_level="error")
+    main(sys.argv)

@@ -43,7 +43,7 @@ async def test_engine_replica_killed_mid_run_fails_over_and_loses_nothing(proces
     app = create_app(ServerConfig(engines=[e.url for e in engines], engine_timeout_s=5), transport=recording)
     client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://proxy", timeout=30)
     router = app.state.service.dispatcher.router
-    conversations = range(16)
+    conversations = range(10)
     try:
         homes = {}
         for turn in (1, 2):

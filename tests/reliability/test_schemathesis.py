@@ -27,7 +27,7 @@ schema.config.generation.update(modes=[schemathesis.GenerationMode.POSITIVE, sch
 
 
 @schema.parametrize()
-@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck))
 def test_no_server_errors_and_typed_4xx(case) -> None:
     engine_calls = sum(len(engine.requests) for engine in ENGINES.values())
     response = case.call()

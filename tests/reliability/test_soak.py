@@ -18,8 +18,8 @@ from cpmemory.server.app import ServerConfig, create_app
 from cpmemory.session.config import CpMemoryConfig
 from cpmemory.stores.memory import AsyncInMemorySessionStore
 
-WARM_UP_S = 6.0
-SOAK_S = 20.0
+WARM_UP_S = 5.0
+SOAK_S = 16.0
 LEAF_CAP = 300
 RSS_GROWTH_BOUND_MB = 64.0  # generous: the measured growth is reported, and is far below this
 
