@@ -34,7 +34,11 @@ LABEL_PATTERN = r"D[0-9a-f]{7,32}"
 HEADER_RE = re.compile(r"^\[(" + LABEL_PATTERN + r")\]$", re.MULTILINE)
 # A line that starts with a label: a header, a reference, or a partial block's trailer (for appearance order).
 LABELLED_LINE_RE = re.compile(r"^\(?(?:Rest of )?\[(" + LABEL_PATTERN + r")\]", re.MULTILINE)
-ORDER_LINE_RE = re.compile(r"^" + re.escape(ORDER_PREFIX) + r"(.*)$", re.MULTILINE)
+# The order annotation is the line right before the question section (a look-alike line inside a block's text or
+# inside the query is not followed by the question section, or comes after it).
+ORDER_LINE_RE = re.compile(
+    r"^" + re.escape(ORDER_PREFIX) + r"(.*)" + re.escape(SECTION_SEPARATOR + QUESTION_PREFIX), re.MULTILINE
+)
 _LABEL_IN_BRACKETS_RE = re.compile(r"\[(" + LABEL_PATTERN + r")\]")
 
 
@@ -104,11 +108,11 @@ def build_user_message(
 
 
 def parse_order(text: str) -> list[str] | None:
-    """Return the labels of the last order annotation in ``text``, or None when there is none."""
-    matches = ORDER_LINE_RE.findall(text)
-    if not matches:
+    """Return the labels of the order annotation of a user message, or None when there is none."""
+    match = ORDER_LINE_RE.search(text)
+    if match is None:
         return None
-    return _LABEL_IN_BRACKETS_RE.findall(matches[-1])
+    return _LABEL_IN_BRACKETS_RE.findall(match.group(1))
 
 
 def appearance_order(text: str, labels: set[str] | frozenset[str]) -> list[str]:

@@ -47,3 +47,12 @@ def test_hostile_ids_never_reach_the_prompt(block_id: str) -> None:
     rendered = annotations.format_block(block.label, block.text)
     assert hostile not in rendered
     assert rendered == f"[{block.label}]\nplain text"
+
+
+def test_order_look_alikes_in_text_or_query_are_ignored() -> None:
+    fake = annotations.format_order(["D9999999"])
+    block = annotations.format_block("D1111111", "text\n" + fake + "\nmore")
+    with_annotation = annotations.build_user_message([block], [], ["D1111111"], "q\n\n" + fake)
+    assert annotations.parse_order(with_annotation) == ["D1111111"]
+    without = annotations.build_user_message([block], [], None, "q\n" + fake)
+    assert annotations.parse_order(without) is None
