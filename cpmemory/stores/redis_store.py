@@ -54,10 +54,12 @@ class RedisStoreConfig(BaseModel):
     Attributes:
         prefix: key prefix (1-64 of ``[A-Za-z0-9_.:-]``); one per deployment or test run.
         ttl_s: conversation time-to-live in seconds, refreshed on every call (0 = never expires).
-        socket_timeout_s: per-command socket timeout used by :meth:`client_from_url`; past it the call fails
-            with StoreUnavailableError and the facade serves the turn pass-through.
-        connect_timeout_s: connect timeout used by :meth:`client_from_url`.
-        retries: redis-py retries on connection errors / timeouts used by :meth:`client_from_url`.
+        socket_timeout_s: per-command socket timeout of clients built by ``from_url`` / :meth:`client_kwargs`;
+            past it the call fails with StoreUnavailableError and the facade serves the turn pass-through.
+        connect_timeout_s: connect timeout of those clients (a refused connection fails at once; this bounds a
+            black-holed host, and must leave room for a burst of new connections on a busy machine).
+        retries: redis-py retries of those clients; the direct runner retries a ``ConnectionError`` this many
+            times, at least once (a stale pooled socket after a server restart).
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -65,7 +67,7 @@ class RedisStoreConfig(BaseModel):
     prefix: str = DEFAULT_PREFIX
     ttl_s: float = Field(default=24 * 3600.0, ge=0)
     socket_timeout_s: float = Field(default=0.2, gt=0)
-    connect_timeout_s: float = Field(default=0.2, gt=0)
+    connect_timeout_s: float = Field(default=0.5, gt=0)
     retries: int = Field(default=1, ge=0, le=10)
 
     @field_validator("prefix")
