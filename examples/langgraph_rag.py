@@ -8,6 +8,7 @@ the answer node builds the prompt with cpmemory (a passage shown in an earlier t
 asks the chat model, and commits the answer. Per turn it prints each passage's status and the passage tokens sent
 in full vs by reference.
 """
+
 from __future__ import annotations
 
 import re
@@ -99,10 +100,14 @@ def run(thread_id: str = "visitor-1") -> dict[str, int]:
             tokens = count_tokens(document.page_content)
             key = "tokens_referenced" if decision["status"] == "referenced" else "tokens_full"
             totals[key] += tokens
-            print(f"    {decision['status']:<10} {decision['label']}  rank {decision['original_rank']}  "
-                  f"{tokens:>3} tokens  {document.id}")
+            print(
+                f"    {decision['status']:<10} {decision['label']}  rank {decision['original_rank']}  "
+                f"{tokens:>3} tokens  {document.id}"
+            )
         totals["turns"] += 1
-    print(f"\n{totals['turns']} turns, {len(state['messages'])} messages kept by the checkpointer for {thread_id!r}")
+    print(
+        f"\n{totals['turns']} turns, {len(state['messages'])} messages kept by the checkpointer for {thread_id!r}"
+    )
     print(f"passage tokens: {totals['tokens_full']} sent in full, {totals['tokens_referenced']} by reference")
     print("\nthe last user message the model received:\n" + recorder.prompts[-1][-1].content)
     return totals

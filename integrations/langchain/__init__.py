@@ -4,6 +4,7 @@ Needs the ``langchain`` extra (``pip install 'cpmemory[langchain]'``: langchain-
 package without langchain-core raises :class:`cpmemory.errors.MissingDependencyError` naming that command.
 LangGraph is needed only by :mod:`integrations.langchain.graph`.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -18,4 +19,10 @@ from integrations.langchain.documents import METADATA_KEY, relevance_order
 from integrations.langchain.prompt import CpMemoryPromptRunnable
 from integrations.langchain.retriever import CpMemoryRetriever
 
-__all__ = ["METADATA_KEY", "CpMemoryPromptRunnable", "CpMemoryRetriever", "PassthroughWarning", "relevance_order"]
+__all__ = [
+    "METADATA_KEY",
+    "CpMemoryPromptRunnable",
+    "CpMemoryRetriever",
+    "PassthroughWarning",
+    "relevance_order",
+]

@@ -4,6 +4,7 @@ A Document's block id is ``Document.id`` when set, else ``metadata[id_key]`` (de
 its content hash (see :func:`integrations._common.assign_blocks` for empty and repeated documents). Decisions are
 written to a copy of each Document under ``metadata["cpmemory"]``; the inner retriever's Documents are never mutated.
 """
+
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
@@ -57,7 +58,9 @@ def documents_to_blocks(documents: Sequence[Document], id_key: str = "id") -> Bl
     entries = []
     for rank, document in enumerate(documents):
         if not isinstance(document, Document):
-            raise InvalidInputError(f"retriever result #{rank} is a {type(document).__name__}, not a Document")
+            raise InvalidInputError(
+                f"retriever result #{rank} is a {type(document).__name__}, not a Document"
+            )
         entries.append((_document_id(document, id_key), document.page_content, None))
     return assign_blocks(entries)
 
@@ -80,13 +83,25 @@ def annotate_prepared(
     labels: dict[int, str] = {}
     for block_index in prompt_ranks([d for d in turn.decisions if d.original_rank in item_of_block]):
         rank = item_of_block[block_index]
-        fields = {**decision_fields(turn, by_block[block_index]), "original_rank": rank, **assignment.notes[rank]}
+        fields = {
+            **decision_fields(turn, by_block[block_index]),
+            "original_rank": rank,
+            **assignment.notes[rank],
+        }
         labels[rank] = fields["label"]
         out.append(_with_fields(documents[rank], fields))
     for block_index in sorted(set(item_of_block) - set(by_block)):
         rank = item_of_block[block_index]
-        out.append(_with_fields(documents[rank], {**passthrough_fields(rank, "no decision"), **assignment.notes[rank]}))
-    shared = {"conversation_id": turn.conversation_id, "turn": turn.turn, "reservation_id": turn.reservation_id}
+        out.append(
+            _with_fields(
+                documents[rank], {**passthrough_fields(rank, "no decision"), **assignment.notes[rank]}
+            )
+        )
+    shared = {
+        "conversation_id": turn.conversation_id,
+        "turn": turn.turn,
+        "reservation_id": turn.reservation_id,
+    }
     for rank, block_index in enumerate(assignment.item_block):
         if block_index is None:
             note = assignment.notes[rank]
@@ -96,7 +111,9 @@ def annotate_prepared(
     return out
 
 
-def annotate_passthrough(documents: Sequence[Document], assignment: BlockAssignment, reason: str) -> list[Document]:
+def annotate_passthrough(
+    documents: Sequence[Document], assignment: BlockAssignment, reason: str
+) -> list[Document]:
     """Return copies of ``documents`` in their original order, each marked ``passthrough``. Pure."""
     out = []
     for rank, document in enumerate(documents):
@@ -127,7 +144,9 @@ def messages_to_dicts(history: Sequence[BaseMessage] | None) -> list[dict[str, s
         if not isinstance(message, BaseMessage):
             raise InvalidInputError(f"history items must be LangChain messages, got {type(message).__name__}")
         role = _ROLE_OF_TYPE.get(message.type, message.type)
-        out.append({"role": role, "content": message.text if hasattr(message, "text") else str(message.content)})
+        out.append(
+            {"role": role, "content": message.text if hasattr(message, "text") else str(message.content)}
+        )
     return out
 
 

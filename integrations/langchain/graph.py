@@ -8,6 +8,7 @@ The graph's ``messages`` (kept by the checkpointer per ``thread_id``) hold the p
 the application; the prompt sent to the model is cpmemory's, built from the conversation's stored transcript, so
 a document shown in an earlier turn is referenced instead of sent again. Needs the ``langchain`` extra (langgraph).
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -27,12 +28,14 @@ def _add_messages(left: list[AnyMessage], right: list[AnyMessage]) -> list[AnyMe
 
     return add_messages(left, right)  # type: ignore[return-value]
 
+
 class RagState(TypedDict, total=False):
     """State of :func:`build_rag_graph`: the question of the turn, its documents, the conversation so far."""
 
     question: str
     documents: list[Document]
     messages: Annotated[list[AnyMessage], _add_messages]
+
 
 def retrieval_node(retriever: CpMemoryRetriever, *, question_key: str = "question") -> RunnableLambda:
     """Return a node that retrieves the state's question through ``retriever`` into ``state["documents"]``."""
@@ -44,6 +47,7 @@ def retrieval_node(retriever: CpMemoryRetriever, *, question_key: str = "questio
         return {"documents": await retriever.ainvoke(state[question_key], config)}
 
     return RunnableLambda(retrieve, afunc=aretrieve, name="cpmemory_retrieve")
+
 
 def answer_node(
     model: BaseChatModel, prompt: CpMemoryPromptRunnable, *, question_key: str = "question"
@@ -59,16 +63,17 @@ def answer_node(
 
     async def aanswer(state: dict[str, Any], config: RunnableConfig) -> dict[str, Any]:
         question = state[question_key]
-        messages = await prompt.ainvoke({"documents": state.get("documents") or [], "question": question}, config)
+        messages = await prompt.ainvoke(
+            {"documents": state.get("documents") or [], "question": question}, config
+        )
         reply = await model.ainvoke(messages, config)
         await prompt.acommit(reply, config)
         return {"messages": [HumanMessage(content=question), reply]}
 
     return RunnableLambda(answer, afunc=aanswer, name="cpmemory_answer")
 
-def build_rag_graph(
-    retriever: CpMemoryRetriever, model: BaseChatModel, *, checkpointer: Any = None
-) -> Any:
+
+def build_rag_graph(retriever: CpMemoryRetriever, model: BaseChatModel, *, checkpointer: Any = None) -> Any:
     """Return a compiled ``retrieve -> answer`` LangGraph graph whose retrieval goes through cpmemory.
 
     Args:
@@ -85,5 +90,6 @@ def build_rag_graph(
     builder.add_edge("retrieve", "answer")
     builder.add_edge("answer", END)
     return builder.compile(checkpointer=checkpointer)
+
 
 NodeFunction = Callable[[dict[str, Any], RunnableConfig], dict[str, Any]]

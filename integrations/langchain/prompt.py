@@ -18,6 +18,7 @@ Which prompt is built:
 3. Without a conversation id: every document in full, in the given order (a
    :class:`~integrations._common.PassthroughWarning`); nothing is recorded.
 """
+
 from __future__ import annotations
 
 import warnings
@@ -81,13 +82,18 @@ class CpMemoryPromptRunnable(TurnKeeper, Runnable[Mapping[str, Any], list[BaseMe
         turn = self.pending.get(conversation)
         if turn is None:
             return None
-        reservations = {(doc.metadata or {}).get(METADATA_KEY, {}).get("reservation_id") for doc in parsed.documents}
+        reservations = {
+            (doc.metadata or {}).get(METADATA_KEY, {}).get("reservation_id") for doc in parsed.documents
+        }
         return turn if reservations == {turn.reservation_id} else None
 
     def _arguments(self, parsed: PromptInput) -> tuple[Any, dict[str, Any]]:
         assignment = documents_to_blocks(relevance_order(parsed.documents), self.id_key)
-        options = {"history": messages_to_dicts(parsed.history), "tenant": self.tenant,
-                   "system_prompt": self.system_prompt}
+        options = {
+            "history": messages_to_dicts(parsed.history),
+            "tenant": self.tenant,
+            "system_prompt": self.system_prompt,
+        }
         return assignment, options
 
     def _passthrough(self, parsed: PromptInput) -> list[BaseMessage]:
@@ -98,11 +104,17 @@ class CpMemoryPromptRunnable(TurnKeeper, Runnable[Mapping[str, Any], list[BaseMe
             stacklevel=3,
         )
         assignment = documents_to_blocks(parsed.documents, self.id_key)
-        messages = passthrough_messages(parsed.question, assignment.blocks,
-                                        history=messages_to_dicts(parsed.history), system_prompt=self.system_prompt)
+        messages = passthrough_messages(
+            parsed.question,
+            assignment.blocks,
+            history=messages_to_dicts(parsed.history),
+            system_prompt=self.system_prompt,
+        )
         return dicts_to_messages(messages)
 
-    def invoke(self, input: Mapping[str, Any], config: RunnableConfig | None = None, **kwargs: Any) -> list[BaseMessage]:
+    def invoke(
+        self, input: Mapping[str, Any], config: RunnableConfig | None = None, **kwargs: Any
+    ) -> list[BaseMessage]:
         """Return the chat messages of the run's turn (prepares one unless the retriever already did)."""
         parsed = PromptInput.parse(input)
         conversation = conversation_from_config(ensure_config(config), self.conversation_key)
@@ -111,8 +123,9 @@ class CpMemoryPromptRunnable(TurnKeeper, Runnable[Mapping[str, Any], list[BaseMe
             if conversation is None:
                 return self._passthrough(parsed)
             assignment, options = self._arguments(parsed)
-            turn = call_facade(self.memory, "prepare", conversation, parsed.question, list(assignment.blocks),
-                               **options)
+            turn = call_facade(
+                self.memory, "prepare", conversation, parsed.question, list(assignment.blocks), **options
+            )
             stale = self._replace(conversation, turn)
             if stale is not None:
                 call_facade(self.memory, "abort", stale)
@@ -129,8 +142,9 @@ class CpMemoryPromptRunnable(TurnKeeper, Runnable[Mapping[str, Any], list[BaseMe
             if conversation is None:
                 return self._passthrough(parsed)
             assignment, options = self._arguments(parsed)
-            turn = await acall_facade(self.memory, "prepare", conversation, parsed.question,
-                                      list(assignment.blocks), **options)
+            turn = await acall_facade(
+                self.memory, "prepare", conversation, parsed.question, list(assignment.blocks), **options
+            )
             stale = self._replace(conversation, turn)
             if stale is not None:
                 await acall_facade(self.memory, "abort", stale)

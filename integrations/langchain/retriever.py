@@ -12,6 +12,7 @@ copy carrying ``metadata["cpmemory"]`` (status, label, original_rank, prompt_pos
 Without a conversation id the Documents pass through in their original order, marked ``passthrough``, with a
 :class:`~integrations._common.PassthroughWarning`; nothing is de-duplicated and nothing is ever dropped.
 """
+
 from __future__ import annotations
 
 import warnings
@@ -71,7 +72,9 @@ class CpMemoryRetriever(TurnKeeper, BaseRetriever):
         kwargs.setdefault("conversation_id", conversation_from_config(config, self.conversation_key))
         return super().invoke(input, config, **kwargs)
 
-    async def ainvoke(self, input: str, config: RunnableConfig | None = None, **kwargs: Any) -> list[Document]:
+    async def ainvoke(
+        self, input: str, config: RunnableConfig | None = None, **kwargs: Any
+    ) -> list[Document]:
         """Async :meth:`invoke`."""
         config = ensure_config(config)
         kwargs.setdefault("conversation_id", conversation_from_config(config, self.conversation_key))
@@ -84,14 +87,20 @@ class CpMemoryRetriever(TurnKeeper, BaseRetriever):
         assignment = documents_to_blocks(documents, self.id_key)
         if conversation_id is None:
             return self._passthrough(documents, assignment)
-        turn = call_facade(self.memory, "prepare", conversation_id, query, list(assignment.blocks), **self._options())
+        turn = call_facade(
+            self.memory, "prepare", conversation_id, query, list(assignment.blocks), **self._options()
+        )
         stale = self._replace(conversation_id, turn)
         if stale is not None:
             call_facade(self.memory, "abort", stale)
         return annotate_prepared(documents, assignment, turn)
 
     async def _aget_relevant_documents(
-        self, query: str, *, run_manager: AsyncCallbackManagerForRetrieverRun, conversation_id: str | None = None
+        self,
+        query: str,
+        *,
+        run_manager: AsyncCallbackManagerForRetrieverRun,
+        conversation_id: str | None = None,
     ) -> list[Document]:
         documents = await self.retriever.ainvoke(query, config={"callbacks": run_manager.get_child()})
         assignment = documents_to_blocks(documents, self.id_key)

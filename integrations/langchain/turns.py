@@ -5,6 +5,7 @@ shares with the other adapters of the same chain; :class:`TurnKeeper` commits or
 from the run's config, like everything else). The facade may be sync (``CpMemory``) or async (``AsyncCpMemory``):
 the sync path needs a sync facade; the async path awaits an async one or runs a sync one in an executor.
 """
+
 from __future__ import annotations
 
 import inspect
@@ -30,7 +31,9 @@ def is_async_facade(memory: Any) -> bool:
 def call_facade(memory: Any, method: str, *args: Any, **kwargs: Any) -> Any:
     """Call a sync facade method. Raises InvalidInputError for an async facade (use the async path)."""
     if is_async_facade(memory):
-        raise InvalidInputError("this adapter holds an AsyncCpMemory: call ainvoke / acommit, or pass a CpMemory")
+        raise InvalidInputError(
+            "this adapter holds an AsyncCpMemory: call ainvoke / acommit, or pass a CpMemory"
+        )
     return getattr(memory, method)(*args, **kwargs)
 
 
@@ -78,7 +81,9 @@ class TurnKeeper:
         conversation = conversation_id or self.conversation_id(config)
         return None if conversation is None else self.pending.pop(conversation)
 
-    def commit(self, answer: Any, config: RunnableConfig | None = None, *, conversation_id: str | None = None) -> int:
+    def commit(
+        self, answer: Any, config: RunnableConfig | None = None, *, conversation_id: str | None = None
+    ) -> int:
         """Record the answer for the conversation's pending turn; return the committed turn number.
 
         Returns 0 when the run has no conversation id (pass-through: nothing was prepared, nothing recorded).
@@ -111,7 +116,9 @@ class TurnKeeper:
         turn = self._take(config, conversation_id)
         return turn is not None and bool(call_facade(self.memory, "abort", turn))
 
-    async def aabort(self, config: RunnableConfig | None = None, *, conversation_id: str | None = None) -> bool:
+    async def aabort(
+        self, config: RunnableConfig | None = None, *, conversation_id: str | None = None
+    ) -> bool:
         """Async :meth:`abort`."""
         turn = self._take(config, conversation_id)
         return turn is not None and bool(await acall_facade(self.memory, "abort", turn))

@@ -3,6 +3,7 @@
 Needs the ``mem0`` extra (``pip install 'cpmemory[mem0]'``); importing this package without it raises
 :class:`cpmemory.errors.MissingDependencyError` naming that command.
 """
+
 from __future__ import annotations
 
 import importlib.util

@@ -20,6 +20,7 @@ Rules for odd items (none of them ever drops a memory silently):
 * the same id twice with different texts  -> both are sent: the later one gets the id ``"<id>#<rank>"`` and
   ``cpmemory.id_collision = True``.
 """
+
 from __future__ import annotations
 
 from collections.abc import Mapping
@@ -59,7 +60,9 @@ class ParsedResults:
 def _result_list(raw: object) -> tuple[Mapping[str, Any] | None, list[Any]]:
     if isinstance(raw, Mapping):
         if "results" not in raw:
-            raise InvalidInputError(f"a Mem0 search answer needs a 'results' key, got keys {sorted(map(str, raw))}")
+            raise InvalidInputError(
+                f"a Mem0 search answer needs a 'results' key, got keys {sorted(map(str, raw))}"
+            )
         results = raw["results"]
         envelope: Mapping[str, Any] | None = {key: value for key, value in raw.items() if key != "results"}
     elif isinstance(raw, list):
@@ -108,7 +111,9 @@ def _rebuild(parsed: ParsedResults, ordered: list[dict[str, Any]]) -> dict[str, 
     return {"results": ordered, **parsed.envelope}
 
 
-def _unsent_items(parsed: ParsedResults, base: Mapping[str, Any], labels: Mapping[int, str]) -> list[dict[str, Any]]:
+def _unsent_items(
+    parsed: ParsedResults, base: Mapping[str, Any], labels: Mapping[int, str]
+) -> list[dict[str, Any]]:
     """Items not sent to cpmemory (empty, duplicates), in original order; a duplicate carries its first's label."""
     out = []
     for rank, block_index in enumerate(parsed.item_block):
@@ -130,16 +135,28 @@ def assemble_prepared(parsed: ParsedResults, turn: PreparedTurnLike) -> dict[str
     item_of_block = {block: rank for rank, block in enumerate(parsed.item_block) if block is not None}
     ordered: list[dict[str, Any]] = []
     labels: dict[int, str] = {}
-    for block_index in prompt_ranks([decision for decision in turn.decisions if decision.original_rank in item_of_block]):
+    for block_index in prompt_ranks(
+        [decision for decision in turn.decisions if decision.original_rank in item_of_block]
+    ):
         rank = item_of_block[block_index]
         fields = {**decision_fields(turn, by_block[block_index]), "original_rank": rank, **parsed.notes[rank]}
         labels[rank] = fields["label"]
         ordered.append({**parsed.items[rank], "cpmemory": fields})
     for block_index in sorted(set(item_of_block) - set(by_block)):  # no decision: hand back as pass-through
         rank = item_of_block[block_index]
-        ordered.append({**parsed.items[rank], "cpmemory": {**passthrough_fields(rank, "no decision"), **parsed.notes[rank]}})
-    base = {"status": None, "conversation_id": turn.conversation_id, "turn": turn.turn,
-            "reservation_id": turn.reservation_id, "degraded": turn.degraded}
+        ordered.append(
+            {
+                **parsed.items[rank],
+                "cpmemory": {**passthrough_fields(rank, "no decision"), **parsed.notes[rank]},
+            }
+        )
+    base = {
+        "status": None,
+        "conversation_id": turn.conversation_id,
+        "turn": turn.turn,
+        "reservation_id": turn.reservation_id,
+        "degraded": turn.degraded,
+    }
     return _rebuild(parsed, ordered + _unsent_items(parsed, base, labels))
 
 

@@ -15,6 +15,7 @@ method passes through unchanged. The conversation is ``conversation_id`` if give
 ``chat_messages(None)`` shows every memory in full. Works with ``Memory`` / ``MemoryClient`` (sync) and
 ``AsyncMemory`` / ``AsyncMemoryClient`` (:class:`AsyncCpMemoryMem0`).
 """
+
 from __future__ import annotations
 
 import warnings
@@ -71,7 +72,10 @@ class _Mem0Adapter:
 
     @staticmethod
     def _search_arguments(
-        user_id: str | None, agent_id: str | None, run_id: str | None, filters: Mapping[str, Any] | None,
+        user_id: str | None,
+        agent_id: str | None,
+        run_id: str | None,
+        filters: Mapping[str, Any] | None,
         options: Mapping[str, Any],
     ) -> dict[str, Any]:
         """Mem0 2.x takes entity ids in ``filters`` only; accept them top level too and fold them in."""
@@ -91,13 +95,17 @@ class _Mem0Adapter:
         run_id = (arguments.get("filters") or {}).get("run_id")
         return run_id if isinstance(run_id, str) and run_id else None
 
-    def _passthrough(self, query: str, parsed: ParsedResults, history: Sequence[Mapping[str, str]] | None) -> Any:
+    def _passthrough(
+        self, query: str, parsed: ParsedResults, history: Sequence[Mapping[str, str]] | None
+    ) -> Any:
         warnings.warn(
             "CpMemoryMem0: search without run_id or conversation_id; results passed through in Mem0's order",
             PassthroughWarning,
             stacklevel=3,
         )
-        messages = passthrough_messages(query, parsed.blocks, history=history, system_prompt=self._system_prompt)
+        messages = passthrough_messages(
+            query, parsed.blocks, history=history, system_prompt=self._system_prompt
+        )
         self._pending.put(_PASSTHROUGH_KEY, PassthroughTurn(messages))
         return assemble_passthrough(parsed, NO_CONVERSATION_REASON)
 
@@ -181,7 +189,9 @@ class CpMemoryMem0(_Mem0Adapter):
         conversation = self._conversation(conversation_id, arguments)
         if conversation is None:
             return self._passthrough(query, parsed, history)
-        turn = self._cpmemory.prepare(conversation, query, list(parsed.blocks), **self._prepare_kwargs(history))
+        turn = self._cpmemory.prepare(
+            conversation, query, list(parsed.blocks), **self._prepare_kwargs(history)
+        )
         replaced = self._pending.put(conversation, turn)
         if replaced is not None:
             self._cpmemory.abort(replaced)

@@ -3,6 +3,7 @@
 Mem0 reads MEM0_TELEMETRY and MEM0_DIR when it is imported (and creates MEM0_DIR), so both are set here, before
 any test module imports it: no telemetry, nothing written to the home directory, no network.
 """
+
 from __future__ import annotations
 
 import os

@@ -1,4 +1,5 @@
 """The two examples run offline end to end (small settings) and report consistent figures."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -37,7 +38,9 @@ def test_mem0_chat_example_on_locomo(capsys: pytest.CaptureFixture[str]) -> None
     if not (DATA / "locomo" / "locomo10.json").exists():
         pytest.skip(f"LoCoMo data not found under {DATA}")
     example = _example("mem0_chat")
-    code = example.main(["--data-dir", str(DATA), "--sessions", "2", "--questions", "4", "--top-k", "6", "--json"])
+    code = example.main(
+        ["--data-dir", str(DATA), "--sessions", "2", "--questions", "4", "--top-k", "6", "--json"]
+    )
     assert code == 0
     out = capsys.readouterr().out
     totals = json.loads(out.strip().splitlines()[-1])

@@ -1,4 +1,5 @@
 """The LangChain retriever wrapper and prompt Runnable with real langchain-core objects and fake chat models."""
+
 from __future__ import annotations
 
 import importlib
@@ -53,7 +54,9 @@ def _store() -> InMemoryVectorStore:
 
 
 def _retriever(k: int = 3, memory: Any = None) -> CpMemoryRetriever:
-    return CpMemoryRetriever(retriever=_store().as_retriever(search_kwargs={"k": k}), memory=memory or CpMemory())
+    return CpMemoryRetriever(
+        retriever=_store().as_retriever(search_kwargs={"k": k}), memory=memory or CpMemory()
+    )
 
 
 def _blocks(documents: list[Document]) -> list[Block]:
@@ -148,7 +151,9 @@ def test_explicit_conversation_key() -> None:
 class EmptyRetriever(BaseRetriever):
     """A retriever that finds nothing."""
 
-    def _get_relevant_documents(self, query: str, *, run_manager: CallbackManagerForRetrieverRun) -> list[Document]:
+    def _get_relevant_documents(
+        self, query: str, *, run_manager: CallbackManagerForRetrieverRun
+    ) -> list[Document]:
         return []
 
 
@@ -190,7 +195,12 @@ def test_prompt_runnable_with_given_history_refers_only_to_text_in_it() -> None:
 
 def test_prompt_input_is_validated() -> None:
     prompt = CpMemoryPromptRunnable(CpMemory())
-    for bad in ("text", {"documents": []}, {"question": "q", "documents": "doc"}, {"question": "q", "documents": [1]}):
+    for bad in (
+        "text",
+        {"documents": []},
+        {"question": "q", "documents": "doc"},
+        {"question": "q", "documents": [1]},
+    ):
         with pytest.raises(InvalidInputError):
             prompt.invoke(bad, _thread("v"))
 
@@ -205,7 +215,9 @@ class ListRetriever(BaseRetriever):
 
     documents: list[Document] = Field(default_factory=list)
 
-    def _get_relevant_documents(self, query: str, *, run_manager: CallbackManagerForRetrieverRun) -> list[Document]:
+    def _get_relevant_documents(
+        self, query: str, *, run_manager: CallbackManagerForRetrieverRun
+    ) -> list[Document]:
         return list(self.documents)
 
 
@@ -224,7 +236,9 @@ def test_no_document_is_ever_lost(turns: list[list[tuple[str | None, str]]]) -> 
 
 
 def test_import_without_langchain_names_the_install_command(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in [n for n in sys.modules if n == "integrations.langchain" or n.startswith("integrations.langchain.")]:
+    for name in [
+        n for n in sys.modules if n == "integrations.langchain" or n.startswith("integrations.langchain.")
+    ]:
         monkeypatch.delitem(sys.modules, name)
     monkeypatch.setitem(sys.modules, "langchain_core", None)
     with pytest.raises(MissingDependencyError, match=r"pip install 'cpmemory\[langchain\]'"):

@@ -1,4 +1,5 @@
 """A LangGraph agent graph (InMemorySaver checkpointer, thread_id) whose retrieval goes through cpmemory."""
+
 from __future__ import annotations
 
 from typing import Any
@@ -21,8 +22,12 @@ from cpmemory.facade import AsyncCpMemory, CpMemory
 from integrations.langchain import CpMemoryRetriever, PassthroughWarning, relevance_order
 from integrations.langchain.graph import build_rag_graph
 
-TEXTS = [f"Fact {i}: the {word} is stored in room {i}." for i, word in enumerate(
-    ["atlas", "globe", "compass", "sextant", "telescope", "map", "chart", "astrolabe"])]
+TEXTS = [
+    f"Fact {i}: the {word} is stored in room {i}."
+    for i, word in enumerate(
+        ["atlas", "globe", "compass", "sextant", "telescope", "map", "chart", "astrolabe"]
+    )
+]
 
 
 class PromptRecorder(BaseCallbackHandler):
@@ -43,8 +48,10 @@ def _graph(memory: Any, answers: list[str], *, checkpointer: Any = None) -> tupl
 
 def _check(documents: list[Document], prompt: list[BaseMessage]) -> None:
     blocks = [Block(str(rank), d.page_content) for rank, d in enumerate(relevance_order(documents))]
-    messages = [{"role": {"human": "user", "ai": "assistant"}.get(m.type, m.type), "content": m.content}
-                for m in prompt]
+    messages = [
+        {"role": {"human": "user", "ai": "assistant"}.get(m.type, m.type), "content": m.content}
+        for m in prompt
+    ]
     report = check_no_loss(blocks, messages)
     assert report.ok, report.violations
 
@@ -56,14 +63,22 @@ def test_multi_turn_graph_with_checkpointer() -> None:
     questions = ["Where is the atlas?", "Where is the globe?", "Where is the atlas?"]
     states = [graph.invoke({"question": question}, config) for question in questions]
     assert [m.content for m in states[-1]["messages"]] == [
-        questions[0], "one", questions[1], "two", questions[2], "three"]
+        questions[0],
+        "one",
+        questions[1],
+        "two",
+        questions[2],
+        "three",
+    ]
     for state, prompt in zip(states, recorder.prompts):
         _check(state["documents"], prompt)
     third = states[-1]["documents"]
     assert {d.metadata["cpmemory"]["turn"] for d in third} == {3}
     seen_before = {d.id for state in states[:2] for d in state["documents"]}
     for document in third:
-        assert document.metadata["cpmemory"]["status"] == ("referenced" if document.id in seen_before else "new")
+        assert document.metadata["cpmemory"]["status"] == (
+            "referenced" if document.id in seen_before else "new"
+        )
     assert recorder.prompts[2][: len(recorder.prompts[1])] == recorder.prompts[1]  # prefix-stable
     assert len(retriever.pending) == 0
 

@@ -1,4 +1,5 @@
 """The Mem0 wrapper against the real mem0ai package (FAISS on disk, fake embedding, infer=False), offline."""
+
 from __future__ import annotations
 
 import warnings
@@ -30,7 +31,9 @@ def _items(found: Any) -> list[dict[str, Any]]:
 def _blocks(found: Any) -> list[Block]:
     """The memories in Mem0's own (relevance) order, as blocks, from the wrapper's annotated answer."""
     items = sorted(_items(found), key=lambda item: item["cpmemory"]["original_rank"])
-    return [Block(str(item["id"]), item["memory"]) for item in items if item["cpmemory"]["status"] != "duplicate"]
+    return [
+        Block(str(item["id"]), item["memory"]) for item in items if item["cpmemory"]["status"] != "duplicate"
+    ]
 
 
 def _add_facts(wrapper: Any, user: str = "caroline") -> list[str]:
@@ -49,7 +52,9 @@ def test_search_keeps_mem0_shape_and_every_memory(mem0_memory: Any) -> None:
     assert set(found) == set(plain)
     assert sorted(item["id"] for item in found["results"]) == sorted(item["id"] for item in plain["results"])
     assert len(found["results"]) == len(FACTS)
-    for item, original in zip(sorted(found["results"], key=lambda i: i["cpmemory"]["original_rank"]), plain["results"]):
+    for item, original in zip(
+        sorted(found["results"], key=lambda i: i["cpmemory"]["original_rank"]), plain["results"]
+    ):
         assert item["id"] == original["id"] and item["memory"] == original["memory"]
         assert {key: value for key, value in item.items() if key != "cpmemory"} == original
         assert item["cpmemory"]["status"] == "new"
@@ -147,7 +152,9 @@ def test_other_methods_pass_through_unchanged(mem0_memory: Any) -> None:
     wrapper = CpMemoryMem0(mem0_memory, CpMemory())
     ids = _add_facts(wrapper)
     assert wrapper.get(ids[0]) == mem0_memory.get(ids[0])
-    assert wrapper.get_all(filters={"user_id": "caroline"}) == mem0_memory.get_all(filters={"user_id": "caroline"})
+    assert wrapper.get_all(filters={"user_id": "caroline"}) == mem0_memory.get_all(
+        filters={"user_id": "caroline"}
+    )
     assert wrapper.history(ids[0]) == mem0_memory.history(ids[0])
     wrapper.delete(ids[0])
     assert mem0_memory.get(ids[0]) is None
@@ -183,7 +190,9 @@ def test_hosted_client_shapes(bare_list: bool) -> None:
     assert isinstance(found, list) == bare_list
     assert sorted(item["id"] for item in _items(found)) == ["m1", "m2"]
     assert all(item["categories"] for item in _items(found))
-    assert check_no_loss([Block(i["id"], i["memory"]) for i in HOSTED_ITEMS], wrapper.chat_messages("trip")).ok
+    assert check_no_loss(
+        [Block(i["id"], i["memory"]) for i in HOSTED_ITEMS], wrapper.chat_messages("trip")
+    ).ok
 
 
 def test_graph_relations_are_carried_through() -> None:
@@ -197,11 +206,15 @@ async def test_async_memory_round_trip(async_mem0_memory: Any) -> None:
     wrapper = AsyncCpMemoryMem0(async_mem0_memory, AsyncCpMemory())
     for fact in FACTS:
         await wrapper.add(fact, user_id="caroline", infer=False)
-    first = await wrapper.search("Caroline", user_id="caroline", threshold=0.0, top_k=2, conversation_id="a-1")
+    first = await wrapper.search(
+        "Caroline", user_id="caroline", threshold=0.0, top_k=2, conversation_id="a-1"
+    )
     assert {item["cpmemory"]["status"] for item in first["results"]} == {"new"}
     assert check_no_loss(_blocks(first), wrapper.chat_messages("a-1")).ok
     assert await wrapper.commit("first answer", conversation_id="a-1") == 1
-    second = await wrapper.search("Caroline", user_id="caroline", threshold=0.0, top_k=4, conversation_id="a-1")
+    second = await wrapper.search(
+        "Caroline", user_id="caroline", threshold=0.0, top_k=4, conversation_id="a-1"
+    )
     statuses = [item["cpmemory"]["status"] for item in second["results"]]
     assert statuses.count("referenced") == 2 and statuses.count("new") == 2
     assert check_no_loss(_blocks(second), wrapper.chat_messages("a-1")).ok

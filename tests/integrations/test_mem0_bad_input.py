@@ -1,4 +1,5 @@
 """Malformed Mem0 answers: a clear error or a documented fallback, never a lost memory."""
+
 from __future__ import annotations
 
 import importlib
@@ -106,7 +107,9 @@ _items = st.lists(st.fixed_dictionaries({"id": _ids, "memory": _texts}), max_siz
 
 @settings(max_examples=120, deadline=None)
 @given(turns=st.lists(_items, min_size=1, max_size=3), bare_list=st.booleans())
-def test_every_memory_reaches_the_prompt_or_is_accounted_for(turns: list[list[dict[str, Any]]], bare_list: bool) -> None:
+def test_every_memory_reaches_the_prompt_or_is_accounted_for(
+    turns: list[list[dict[str, Any]]], bare_list: bool
+) -> None:
     adapter = _load_adapter()
     canned = CannedMem0(None)
     wrapper = adapter.CpMemoryMem0(canned, CpMemory())
@@ -116,8 +119,11 @@ def test_every_memory_reaches_the_prompt_or_is_accounted_for(turns: list[list[di
         out = found if bare_list else found["results"]
         handed_back = [{key: value for key, value in item.items() if key != "cpmemory"} for item in out]
         assert sorted(map(repr, handed_back)) == sorted(map(repr, items))
-        sent = [i for i in sorted(out, key=lambda i: i["cpmemory"]["original_rank"])
-                if i["cpmemory"]["status"] not in ("empty", "duplicate")]
+        sent = [
+            i
+            for i in sorted(out, key=lambda i: i["cpmemory"]["original_rank"])
+            if i["cpmemory"]["status"] not in ("empty", "duplicate")
+        ]
         blocks = [Block(str(i["cpmemory"]["original_rank"]), i["memory"]) for i in sent]
         report = check_no_loss(blocks, wrapper.chat_messages("prop"))
         assert report.ok, report.violations
@@ -131,9 +137,13 @@ def test_every_memory_reaches_the_prompt_or_is_accounted_for(turns: list[list[di
 
 
 def test_import_without_mem0_names_the_install_command(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in [name for name in sys.modules if name == "integrations.mem0" or name.startswith("integrations.mem0.")]:
+    for name in [
+        name for name in sys.modules if name == "integrations.mem0" or name.startswith("integrations.mem0.")
+    ]:
         monkeypatch.delitem(sys.modules, name)
-    monkeypatch.setitem(sys.modules, "mem0", None)  # what an uninstalled package looks like to the import system
+    monkeypatch.setitem(
+        sys.modules, "mem0", None
+    )  # what an uninstalled package looks like to the import system
     with pytest.raises(MissingDependencyError, match=r"pip install 'cpmemory\[mem0\]'") as caught:
         importlib.import_module("integrations.mem0")
     assert isinstance(caught.value, ImportError)
@@ -143,7 +153,13 @@ def test_the_core_never_imports_an_integration() -> None:
     import pathlib
 
     root = pathlib.Path(__file__).resolve().parents[2] / "cpmemory"
-    offenders = [str(path) for path in root.rglob("*.py") if "integrations" in path.read_text(encoding="utf-8")
-                 and ("import integrations" in path.read_text(encoding="utf-8")
-                      or "from integrations" in path.read_text(encoding="utf-8"))]
+    offenders = [
+        str(path)
+        for path in root.rglob("*.py")
+        if "integrations" in path.read_text(encoding="utf-8")
+        and (
+            "import integrations" in path.read_text(encoding="utf-8")
+            or "from integrations" in path.read_text(encoding="utf-8")
+        )
+    ]
     assert offenders == []
