@@ -427,6 +427,8 @@ def command(
     json_output: bool = typer.Option(False, "--json", help="Print one JSON object on stdout."),
 ) -> None:
     """Replay a trace or a real workload through every strategy on the same cache; print a table or JSON."""
+    from rich.markup import escape
+
     from cpmemory.bench import report as report_module
 
     err = report_module.stderr_console()
@@ -436,13 +438,13 @@ def command(
         settings = ReplaySettings(capacity=capacity, mode=mode, page_size=page_size, strategies=names,
                                   keep_prompts=engine != "sim")
         for error in trace.skipped:
-            err.print(f"[yellow]skipped[/] {error}")
+            err.print(f"[yellow]skipped[/] {escape(str(error))}", soft_wrap=True)
         with report_module.progress_bar(len(trace.requests) * len(names), f"replay {trace.name}") as advance:
             result = run_replay(trace, settings, advance)
         if engine != "sim":
             replay_on_engine(result, engine, model=model)
     except (CpMemoryError, ImportError) as exc:
-        err.print(f"[red]error:[/] {exc}")
+        err.print(f"[red]error:[/] {escape(str(exc))}", soft_wrap=True)
         raise typer.Exit(code=2) from exc
     if plot is not None:
         report_module.plot_replay(result, plot)
