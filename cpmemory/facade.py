@@ -22,6 +22,7 @@ import functools
 import logging
 import threading
 import time
+import uuid
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -43,7 +44,7 @@ from cpmemory.session.turns import (
     reserve_request,
     turn_counts,
 )
-from cpmemory.stores.base import AsyncSessionStore, SessionStore
+from cpmemory.stores.base import AsyncSessionStore, ConversationKey, SessionStore
 from cpmemory.stores.memory import AsyncInMemorySessionStore, InMemorySessionStore
 
 logger = logging.getLogger(__name__)
@@ -177,6 +178,7 @@ class _FacadeCore:
 
         if isinstance(requests, (str, bytes, Mapping)):
             raise InvalidInputError("requests must be a list of block lists")
+        ConversationKey(tenant, "batch")  # validates the tenant id (InvalidIdentifierError)
         block_lists = [normalize_blocks(blocks) for blocks in requests]
         order, id_lists = plan_contexts(block_lists, self.config.alpha)
         request_ids: list[str] = []
@@ -187,8 +189,6 @@ class _FacadeCore:
     def _insert_planned(self, tenant: str, blocks: Sequence[Any], ids: Sequence[str]) -> str:
         if not ids:
             return ""
-        import uuid
-
         digest_of = {block.id: block.content_hash for block in blocks}
         request_id = uuid.uuid4().hex
         placement = self._indexes.place(tenant, list(dict.fromkeys(digest_of[i] for i in ids)), request_id)
