@@ -29,6 +29,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from cpmemory.errors import (
+    InvalidInputError,
     MissingDependencyError,
     ReservationExpiredError,
     StoreUnavailableError,
@@ -345,6 +346,9 @@ class _RedisStoreBase:
     """What both stores share: config, codec, and the registered scripts of one client."""
 
     def __init__(self, client: Any, config: RedisStoreConfig | None = None) -> None:
+        encoder = getattr(client, "get_encoder", None)
+        if encoder is not None and getattr(encoder(), "decode_responses", False):
+            raise InvalidInputError("the Redis client must use decode_responses=False (ids are binary-safe bytes)")
         self.config = config or RedisStoreConfig()
         self.client = client
         self._codec = RedisSessionCodec(self.config)

@@ -13,6 +13,7 @@ from cpmemory.bench.store_bench import RoundTripCounter
 from cpmemory.core.blocks import content_hash, label_for_hash
 from cpmemory.errors import (
     InvalidIdentifierError,
+    InvalidInputError,
     ReservationError,
     StoreUnavailableError,
 )
@@ -65,6 +66,13 @@ def test_config_is_validated() -> None:
         RedisSessionStore(fakeredis.FakeRedis(), RedisStoreConfig.model_construct(prefix="a}b"))
     with pytest.raises(ValueError):
         RedisStoreConfig(ttl_s=-1)
+
+
+def test_decoding_clients_are_refused() -> None:
+    with pytest.raises(InvalidInputError, match="decode_responses"):
+        RedisSessionStore(fakeredis.FakeRedis(decode_responses=True))
+    with pytest.raises(InvalidInputError, match="decode_responses"):
+        AsyncRedisSessionStore(fakeredis.FakeAsyncRedis(decode_responses=True))
 
 
 def test_scripts_reload_after_script_flush() -> None:
