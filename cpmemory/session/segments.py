@@ -40,7 +40,7 @@ class SegmentCache:
         with self._lock:
             entry = self._entries.get(key)
             if entry is None or not _still_valid(entry, history):
-                entry = _Entry(SegmentIndex(), history[0]["content"] if history else "", "")
+                entry = _Entry(SegmentIndex(), "", "")
                 self._entries[key] = entry
             self._entries.move_to_end(key)
             while len(self._entries) > self._max:
@@ -48,7 +48,7 @@ class SegmentCache:
             done = entry.index.messages
             if done < len(history):
                 entry.index.extend(history[done:])
-                entry.last = history[-1]["content"]
+                entry.first, entry.last = history[0]["content"], history[-1]["content"]
             return entry.index.limited_to(len(history))
 
     def forget(self, key: ConversationKey) -> None:

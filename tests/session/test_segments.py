@@ -39,3 +39,15 @@ def test_bounded() -> None:
     for i in range(10):
         cache.for_history(ConversationKey("t", f"c{i}"), user_turn(SENTENCE_A))
     assert len(cache) == 3
+
+
+def test_grows_from_an_empty_transcript_without_rebuilding() -> None:
+    cache = SegmentCache()
+    cache.for_history(KEY, [])
+    built = cache._entries[KEY].index
+    first = cache.for_history(KEY, user_turn(SENTENCE_A))
+    second = cache.for_history(KEY, user_turn(SENTENCE_A) + user_turn(SENTENCE_B))
+    third = cache.for_history(KEY, user_turn(SENTENCE_A) + user_turn(SENTENCE_B))
+    assert first.messages == 2 and second.messages == 4 and third.messages == 4
+    assert third.holder(SENTENCE_A) is not None and third.holder(SENTENCE_B) is not None
+    assert cache._entries[KEY].index is built  # extended in place, never rebuilt
