@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Annotated
 
 import typer
 
@@ -36,15 +37,15 @@ def parse_api_keys(pairs: list[str], keys_file: Path | None) -> dict[str, str]:
 
 
 def command(
-    engine: list[str] = typer.Option(..., "--engine", help="Engine base URL (repeat for several replicas)."),
+    engine: Annotated[list[str], typer.Option("--engine", help="Engine base URL (repeat for several replicas).")],
     redis: str | None = typer.Option(None, "--redis", help="Redis URL for session state (default: in memory)."),
     host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on."),
     port: int = typer.Option(8080, "--port", help="Port to listen on."),
-    kv_events: list[str] = typer.Option(
-        [], "--kv-events", help="vLLM KV-event endpoint (tcp://HOST:PORT) of each engine, in --engine order."
-    ),
-    api_key: list[str] = typer.Option([], "--api-key", help="KEY=TENANT (repeatable)."),
-    api_keys_file: Path | None = typer.Option(None, "--api-keys-file", help="JSON object {KEY: TENANT}."),
+    kv_events: Annotated[list[str] | None, typer.Option(
+        "--kv-events", help="vLLM KV-event endpoint (tcp://HOST:PORT) of each engine, in --engine order."
+    )] = None,
+    api_key: Annotated[list[str] | None, typer.Option("--api-key", help="KEY=TENANT (repeatable).")] = None,
+    api_keys_file: Annotated[Path | None, typer.Option("--api-keys-file", help="JSON object {KEY: TENANT}.")] = None,
     redis_prefix: str = typer.Option("cpm", "--redis-prefix", help="Key prefix in Redis."),
     engine_timeout: float = typer.Option(120.0, "--engine-timeout", help="Seconds before a replica is failed over."),
     cache_salt_secret: str = typer.Option(
@@ -60,6 +61,7 @@ def command(
         raise typer.Exit(code=2) from None
     from cpmemory.server.app import ServerConfig, create_app
 
+    kv_events, api_key = kv_events or [], api_key or []
     if kv_events and len(kv_events) != len(engine):
         raise typer.BadParameter("give one --kv-events endpoint per --engine, in the same order")
     config = ServerConfig(

@@ -46,7 +46,7 @@ class Process:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def start(self) -> "Process":
+    def start(self) -> Process:
         self.popen = subprocess.Popen(self.args, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                       env={**os.environ, "PYTHONUNBUFFERED": "1"})
         try:

@@ -48,7 +48,7 @@ def _rss_mb() -> float:
 
 
 def _leaf_count(memory: AsyncCpMemory) -> int:
-    index = memory._indexes._indexes["default"]  # noqa: SLF001 - inspection only
+    index = memory._indexes._indexes["default"]
     return int(getattr(index, "leaf_count", len(index)))
 
 
@@ -95,5 +95,5 @@ async def test_soak_rss_is_flat_after_warm_up() -> None:
           f"{_leaf_count(memory)}, requests {memory.index_size('default')}; live conversations {len(store.sync)}")
     assert number >= 100
     assert _leaf_count(memory) <= LEAF_CAP
-    assert len(memory._pending) <= 500  # noqa: SLF001 - the facade's reservation map is capped
+    assert len(memory._pending) <= 500
     assert growth < RSS_GROWTH_BOUND_MB

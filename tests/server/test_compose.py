@@ -54,7 +54,11 @@ def test_proxy_image_runs_the_serve_command_with_known_options() -> None:
     import inspect
 
     known = set()
-    for parameter in inspect.signature(command).parameters.values():
-        known.update(p for p in parameter.default.param_decls if p.startswith("--"))
+    for parameter in inspect.signature(command, eval_str=True).parameters.values():
+        option = parameter.default
+        if hasattr(parameter.annotation, "__metadata__"):
+            option = parameter.annotation.__metadata__[0]
+        declared = [*option.param_decls, option.default]  # Annotated form: typer reads a "--flag" default as a name
+        known.update(p for p in declared if isinstance(p, str) and p.startswith("--"))
     for arg in services["proxy"]["command"]:
         assert arg.split("=", 1)[0] in known, arg
