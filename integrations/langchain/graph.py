@@ -52,12 +52,19 @@ def retrieval_node(retriever: CpMemoryRetriever, *, question_key: str = "questio
 def answer_node(
     model: BaseChatModel, prompt: CpMemoryPromptRunnable, *, question_key: str = "question"
 ) -> RunnableLambda:
-    """Return a node that builds the turn's messages, asks ``model``, commits the answer, and appends Q and A."""
+    """Return a node that builds the turn's messages, asks ``model``, commits the answer, and appends Q and A.
+
+    When the model call fails the turn is aborted (nothing recorded) and the error propagates.
+    """
 
     def answer(state: dict[str, Any], config: RunnableConfig) -> dict[str, Any]:
         question = state[question_key]
         messages = prompt.invoke({"documents": state.get("documents") or [], "question": question}, config)
-        reply = model.invoke(messages, config)
+        try:
+            reply = model.invoke(messages, config)
+        except BaseException:
+            prompt.abort(config)
+            raise
         prompt.commit(reply, config)
         return {"messages": [HumanMessage(content=question), reply]}
 
@@ -66,7 +73,11 @@ def answer_node(
         messages = await prompt.ainvoke(
             {"documents": state.get("documents") or [], "question": question}, config
         )
-        reply = await model.ainvoke(messages, config)
+        try:
+            reply = await model.ainvoke(messages, config)
+        except BaseException:
+            await prompt.aabort(config)
+            raise
         await prompt.acommit(reply, config)
         return {"messages": [HumanMessage(content=question), reply]}
 

@@ -110,3 +110,13 @@ async def test_async_graph() -> None:
     assert {d.metadata["cpmemory"]["status"] for d in state["documents"]} == {"referenced"}
     assert [m.content for m in state["messages"]] == ["sextant", "x", "sextant", "y"]
     assert len(retriever.pending) == 0
+
+
+def test_failed_model_call_aborts_the_turn() -> None:
+    graph, retriever = _graph(CpMemory(), ["only one answer"], checkpointer=InMemorySaver())
+    config = {"configurable": {"thread_id": "fail-1"}}
+    graph.invoke({"question": "map"}, config)
+    with pytest.raises(RuntimeError):  # the fake model has no second answer: a failed LLM call
+        graph.invoke({"question": "chart"}, config)
+    assert len(retriever.pending) == 0
+    assert retriever.memory.counters.snapshot()["aborts"] == 1
