@@ -36,8 +36,8 @@ from cpmemory.core._index_node import IndexNode, aligned
 from cpmemory.core.distance import EncodedContexts, condensed_distances, pair_distances
 
 DEFAULT_EXACT_LIMIT = 2048
-DEFAULT_NEIGHBORS = 12
-DEFAULT_PAIR_BUDGET_PER_CONTEXT = 24
+DEFAULT_NEIGHBORS = 10
+DEFAULT_PAIR_BUDGET_PER_CONTEXT = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,7 +63,7 @@ class ClusterForest:
     """
 
     children: list[list[int]]
-    contents: list[frozenset[int]]
+    contents: list[frozenset[Hashable]]
     distances: list[float]
     roots: list[int]
     exact: bool
@@ -77,10 +77,16 @@ class ClusterForest:
         return len(self.children) - 1
 
 
-def cluster(encoded: EncodedContexts, options: BuildOptions) -> ClusterForest:
-    """Cluster the (distinct) contexts of ``encoded``. Pure; see the module docstring for the two regimes."""
+def cluster(
+    encoded: EncodedContexts, options: BuildOptions, leaf_sets: Sequence[frozenset[Hashable]] | None = None
+) -> ClusterForest:
+    """Cluster the (distinct) contexts of ``encoded``. Pure; see the module docstring for the two regimes.
+
+    ``leaf_sets`` are the contexts' block sets (by default the block ints of ``encoded``); cluster contents are
+    intersections of them.
+    """
     n = encoded.size
-    rows = [frozenset(encoded.row(i).tolist()) for i in range(n)]
+    rows = list(leaf_sets) if leaf_sets is not None else [frozenset(encoded.row(i).tolist()) for i in range(n)]
     forest = ClusterForest([[] for _ in range(n)], rows, [0.0] * n, [], exact=n <= options.exact_limit)
     if n == 1:
         forest.roots = [0]
@@ -129,8 +135,10 @@ def _candidate_edges(encoded: EncodedContexts, options: BuildOptions) -> tuple[n
         rights.append(members[:, second].ravel())
     if not lefts:
         return np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0)
-    pair_keys = np.unique(np.concatenate(lefts) * n + np.concatenate(rights))
+    pair_keys, shared = np.unique(np.concatenate(lefts) * n + np.concatenate(rights), return_counts=True)
     left, right = pair_keys // n, pair_keys % n
+    # Exact distances only for each context's pairs sharing the most selective blocks, then the nearest of those.
+    left, right, _ = _nearest(left, right, -shared.astype(np.float64), n, 2 * options.neighbors)
     dist = pair_distances(encoded, left, right, options.alpha)
     return _nearest(left, right, dist, n, options.neighbors)
 
@@ -191,15 +199,18 @@ def _reciprocal_nearest(
         return np.zeros((0, 2), dtype=np.int64), np.zeros(0)
     # Per source: nearest first, ties to the lowest target id. This orders pairs totally by (distance, ids), so the
     # globally closest pair is always reciprocal and every round merges at least one pair.
-    order = np.lexsort((target, both, source))
+    order = np.argsort(source, kind="stable")
     source, target, both = source[order], target[order], both[order]
-    head = np.ones(source.size, dtype=bool)
-    head[1:] = source[1:] != source[:-1]
-    source, target, both = source[head], target[head], both[head]
+    starts = np.nonzero(np.concatenate([[True], source[1:] != source[:-1]]))[0]
+    nearest_distance = np.minimum.reduceat(both, starts)
+    segment = np.repeat(np.arange(starts.size), np.diff(np.append(starts, source.size)))
+    at_minimum = both == nearest_distance[segment]  # ties go to the lowest target id: a total order on pairs,
+    nearest_target = np.minimum.reduceat(np.where(at_minimum, target, np.iinfo(np.int64).max), starts)
+    heads = source[starts]  # so the globally closest pair is always reciprocal and every round merges one
     nearest = np.full(size.size, -1, dtype=np.int64)
-    nearest[source] = target
-    mutual = (nearest[target] == source) & (source < target)
-    return np.stack([source[mutual], target[mutual]], axis=1), both[mutual]
+    nearest[heads] = nearest_target
+    mutual = (nearest[nearest_target] == heads) & (heads < nearest_target)
+    return np.stack([heads[mutual], nearest_target[mutual]], axis=1), nearest_distance[mutual]
 
 
 def _relabel_edges(
@@ -218,12 +229,12 @@ def _group_by_anchor(forest: ClusterForest) -> None:
     roots = forest.roots
     while len(roots) > 1:
         counts = Counter(block for root in roots for block in forest.contents[root])
-        groups: dict[int, list[int]] = {}
+        groups: dict[Hashable, list[int]] = {}
         loose: list[int] = []
         for root in roots:
-            shared = [(counts[block], -block) for block in forest.contents[root] if counts[block] >= 2]
-            if shared:
-                groups.setdefault(-max(shared)[1], []).append(root)
+            shared = [block for block in forest.contents[root] if counts[block] >= 2]
+            if shared:  # the most widely shared block; ties by repr so the result does not depend on hashing
+                groups.setdefault(max(shared, key=lambda block: (counts[block], repr(block))), []).append(root)
             else:
                 loose.append(root)
         formed = [forest.add(members, 1.0) for members in groups.values() if len(members) >= 2]
@@ -252,57 +263,60 @@ def assemble(
     forest: ClusterForest,
     leaf_keys: Sequence[Sequence[Hashable]],
     leaf_request_ids: Sequence[Sequence[Hashable]],
-    vocabulary: Sequence[Hashable],
     new_id: NodeIds,
 ) -> IndexNode:
     """Turn a cluster forest into an aligned tree under a virtual root; returns the root. O(total content).
 
-    ``leaf_keys[i]`` is leaf ``i``'s context in its original order and ``leaf_request_ids[i]`` the requests it
-    stands for; internal contents are ordered as in their first (lowest-numbered) leaf, then aligned top-down
-    behind the parent's content.
+    ``leaf_keys[i]`` is leaf ``i``'s context in its original order (its set is ``forest.contents[i]``) and
+    ``leaf_request_ids[i]`` the requests it stands for; internal contents are ordered as in their first
+    (lowest-numbered) leaf, then aligned top-down behind the parent's content.
     """
-    total = len(forest.children)
+    leaves, total = len(leaf_keys), len(forest.children)
     size = [1] * total
     first_leaf = list(range(total))
-    for c in range(len(leaf_keys), total):
+    for c in range(leaves, total):
         size[c] = sum(size[child] for child in forest.children[c])
         first_leaf[c] = min(first_leaf[child] for child in forest.children[c])
+    order = {"size": size, "first_leaf": first_leaf}
     root = IndexNode(new_id(), (), leaf=False)
+    root.child_index = None
     stack: list[tuple[list[int], IndexNode]] = [(forest.roots, root)]
     while stack:
         clusters, parent = stack.pop()
-        for child in _flatten(forest, clusters, len(parent.content), size, first_leaf, len(leaf_keys)):
-            keys = leaf_keys[child] if child < len(leaf_keys) else _ordered(forest, child, leaf_keys, first_leaf, vocabulary)
-            node = IndexNode(new_id(), aligned(parent.content, keys), leaf=child < len(leaf_keys))
-            node.merge_distance = forest.distances[child]
-            parent.add_child(node)
-            if child >= len(leaf_keys):
-                stack.append((forest.children[child], node))
-            else:
+        prefix, prefix_set = parent.content, parent.content_set
+        for child in _flatten(forest, clusters, len(prefix), order, leaves):
+            if child < leaves:
+                node = IndexNode(new_id(), aligned(prefix, leaf_keys[child], prefix_set), leaf=True)
                 node.request_ids = dict.fromkeys(leaf_request_ids[child])
+            else:
+                content = forest.contents[child]
+                keys = [key for key in leaf_keys[first_leaf[child]] if key in content]
+                node = IndexNode(new_id(), aligned(prefix, keys, prefix_set), leaf=False)
+                node.child_index = None  # deferred to the first search through this node
+                node.merge_distance = forest.distances[child]
+                stack.append((forest.children[child], node))
+            parent.add_child(node)
     return root
 
 
 def _flatten(
-    forest: ClusterForest, clusters: list[int], parent_length: int, size: list[int], first_leaf: list[int], n: int
+    forest: ClusterForest, clusters: list[int], parent_length: int, order: dict[str, list[int]], leaves: int
 ) -> list[int]:
-    """Children to attach, skipping internal clusters whose content is no longer than the parent's."""
-    def order_key(c: int) -> tuple[int, int]:
-        return (-size[c], first_leaf[c])
+    """Children to attach, largest subtree first, skipping internal clusters no longer than the parent's content."""
+    size, first_leaf = order["size"], order["first_leaf"]
+
+    def ranked(members: list[int]) -> list[int]:  # reversed rank: the stack pops the first child first
+        if len(members) == 2:
+            a, b = members
+            return [b, a] if (-size[a], first_leaf[a]) <= (-size[b], first_leaf[b]) else [a, b]
+        return sorted(members, key=lambda c: (-size[c], first_leaf[c]), reverse=True)
 
     out: list[int] = []
-    stack = sorted(clusters, key=order_key, reverse=True)
+    stack = ranked(clusters)
     while stack:
         c = stack.pop()
-        if c >= n and len(forest.contents[c]) <= parent_length:
-            stack.extend(sorted(forest.children[c], key=order_key, reverse=True))
+        if c >= leaves and len(forest.contents[c]) <= parent_length:
+            stack.extend(ranked(forest.children[c]))
         else:
             out.append(c)
     return out
-
-
-def _ordered(
-    forest: ClusterForest, c: int, leaf_keys: Sequence[Sequence[Hashable]], first_leaf: list[int], vocabulary: Sequence[Hashable]
-) -> list[Hashable]:
-    content = {vocabulary[block] for block in forest.contents[c]}
-    return [key for key in leaf_keys[first_leaf[c]] if key in content]

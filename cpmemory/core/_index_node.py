@@ -24,7 +24,9 @@ class IndexNode:
         parent: the parent node (None for the root).
         slot: this node's index among its parent's children (the search path element).
         children: ``slot -> child`` in insertion order.
-        child_index: ``block -> {slot: position}`` for blocks of children beyond this node's content.
+        child_index: ``block -> {slot: position}`` for blocks of children beyond this node's content, or None
+            while not built yet (the batch build leaves it to the first search that needs it:
+            :meth:`indexed_children`).
         request_ids: for a leaf, the requests it stands for (insertion-ordered dict used as a set).
         access_count: how many searches / inserts went through this node.
         merge_distance: the linkage distance that created this node (0 for leaves and online nodes).
@@ -52,7 +54,7 @@ class IndexNode:
         self.slot = -1
         self.children: dict[int, IndexNode] = {}
         self.next_slot = 0
-        self.child_index: dict[Hashable, dict[int, int]] = {}
+        self.child_index: dict[Hashable, dict[int, int]] | None = {}
         self.request_ids: dict[Hashable, None] | None = {} if leaf else None
         self.access_count = 0
         self.merge_distance = 0.0
@@ -88,6 +90,14 @@ class IndexNode:
             yield node
             stack.extend(reversed(list(node.children.values())))
 
+    def indexed_children(self) -> dict[Hashable, dict[int, int]]:
+        """The inverted index of the children, built now if it was deferred. O(children's content) once."""
+        if self.child_index is None:
+            self.child_index = {}
+            for child in self.children.values():
+                _index(self, child)
+        return self.child_index
+
     def set_content(self, content: tuple[Hashable, ...]) -> None:
         """Replace the content, keeping the parent's inverted index in step. O(|content|)."""
         parent = self.parent
@@ -116,12 +126,21 @@ class IndexNode:
 
 
 def _index(parent: IndexNode, child: IndexNode) -> None:
-    start = len(parent.content)
-    for position in range(start, len(child.content)):
-        parent.child_index.setdefault(child.content[position], {})[child.slot] = position
+    child_index, slot, content = parent.child_index, child.slot, child.content
+    if child_index is None:  # deferred: built from all children when first needed
+        return
+    for position in range(len(parent.content), len(content)):
+        key = content[position]
+        entry = child_index.get(key)
+        if entry is None:
+            child_index[key] = {slot: position}
+        else:
+            entry[slot] = position
 
 
 def _unindex(parent: IndexNode, child: IndexNode) -> None:
+    if parent.child_index is None:
+        return
     for position in range(len(parent.content), len(child.content)):
         key = child.content[position]
         entry = parent.child_index.get(key)
@@ -131,7 +150,14 @@ def _unindex(parent: IndexNode, child: IndexNode) -> None:
                 del parent.child_index[key]
 
 
-def aligned(prefix: tuple[Hashable, ...], keys: list[Hashable] | tuple[Hashable, ...]) -> tuple[Hashable, ...]:
+def aligned(
+    prefix: tuple[Hashable, ...],
+    keys: list[Hashable] | tuple[Hashable, ...],
+    prefix_set: frozenset[Hashable] | set[Hashable] | None = None,
+) -> tuple[Hashable, ...]:
     """Return ``prefix`` followed by the keys not in it, in their given order. O(len)."""
-    prefix_set = set(prefix)
-    return tuple(prefix) + tuple(key for key in keys if key not in prefix_set)
+    if not prefix:
+        return tuple(keys)
+    if prefix_set is None:
+        prefix_set = set(prefix)
+    return (*prefix, *[key for key in keys if key not in prefix_set])

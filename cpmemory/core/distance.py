@@ -83,18 +83,17 @@ class EncodedContexts:
         return self.indices[self.indptr[i] : self.indptr[i + 1]]
 
 
-def encode_contexts(contexts: Sequence[Sequence[Hashable]]) -> EncodedContexts:
+def encode_contexts(contexts: Sequence[Sequence[Hashable]], *, deduplicated: bool = False) -> EncodedContexts:
     """Map every block key to an int and lay the contexts out as CSR. O(total blocks); pure.
 
-    Repeated keys inside one context keep their first occurrence only.
+    Repeated keys inside one context keep their first occurrence only (``deduplicated=True`` promises there are
+    none and skips that pass).
     """
     key_to_int: dict[Hashable, int] = {}
-    flat: list[int] = []
-    lengths = np.zeros(len(contexts), dtype=np.int64)
-    for row, context in enumerate(contexts):
-        keys = dict.fromkeys(context)
-        lengths[row] = len(keys)
-        flat.extend(key_to_int.setdefault(key, len(key_to_int)) for key in keys)
+    unique = contexts if deduplicated else [list(dict.fromkeys(context)) for context in contexts]
+    lengths = np.fromiter((len(keys) for keys in unique), dtype=np.int64, count=len(unique))
+    setdefault = key_to_int.setdefault
+    flat = [setdefault(key, len(key_to_int)) for keys in unique for key in keys]
     indptr = np.zeros(len(contexts) + 1, dtype=np.int64)
     np.cumsum(lengths, out=indptr[1:])
     row_start = np.repeat(indptr[:-1], lengths)

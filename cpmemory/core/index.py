@@ -146,9 +146,9 @@ class ContextIndex:
             leaf_ids[group].append(request_id)
             index._leaf_of[request_id] = index._root  # reserve the id; replaced below
         if leaf_keys:
-            encoded = encode_contexts(leaf_keys)
-            forest = cluster(encoded, options or BuildOptions(alpha=alpha))
-            index._adopt(assemble(forest, leaf_keys, leaf_ids, encoded.vocabulary, index._new_id))
+            encoded = encode_contexts(leaf_keys, deduplicated=True)
+            forest = cluster(encoded, options or BuildOptions(alpha=alpha), list(groups))
+            index._adopt(assemble(forest, leaf_keys, leaf_ids, index._new_id))
             exact = forest.exact
         else:
             exact = True
@@ -217,6 +217,8 @@ class ContextIndex:
             overlap: dict[int, int] = {}
             position_sum: dict[int, int] = {}
             child_index = node.child_index
+            if child_index is None:
+                child_index = node.indexed_children()
             for key in remaining:
                 entry = child_index.get(key)
                 if entry:
@@ -469,5 +471,5 @@ def _check_node(node: IndexNode, is_root: bool) -> None:
             raise IndexIntegrityError(f"{where}: child {child.node_id} does not start with its parent's content")
         for position in range(len(node.content), len(child.content)):
             expected.setdefault(child.content[position], {})[slot] = position
-    if expected != node.child_index:
+    if node.child_index is not None and expected != node.child_index:
         raise IndexIntegrityError(f"{where}: the inverted index of the children is stale")
