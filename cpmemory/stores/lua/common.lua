@@ -1,9 +1,9 @@
 -- common.lua: helpers prepended to every cpmemory script (not a script on its own).
 -- Every script receives the five keys of ONE conversation (one hash tag, so one cluster slot):
 --   KEYS[1] state (hash)  KEYS[2] log (list)  KEYS[3] paths (list)  KEYS[4] res (zset)  KEYS[5] done (zset)
--- and ARGV[1] = the conversation TTL in milliseconds (0 = no expiry), refreshed on every call: a key the call
--- wrote gets the full TTL; all five are refreshed together unless state's TTL is within min(1% of it, 60 s) of
--- full (each redis.call costs microseconds, so a hot reserve skips four PEXPIREs).
+-- and ARGV[1] = the conversation TTL in milliseconds (0 = no expiry), refreshed on every call: all five keys are
+-- refreshed together unless they are within min(1% of the TTL, 60 s) of it (each redis.call costs microseconds, so
+-- a hot reserve does one PTTL instead of five PEXPIREs).
 -- Field layout of the state hash: see cpmemory/stores/keys.py.
 
 local DONE_KEEP = 256  -- committed / expired reservation ids remembered for idempotent commits
@@ -40,18 +40,16 @@ local function purge_expired(now)
   return true
 end
 
--- Refresh the conversation's TTL. `written` = index of the one key this call wrote (always refreshed), or
--- nil to refresh all five keys unconditionally.
-local function refresh_ttl(written)
+-- Refresh the conversation's TTL. `probe` = index of a key the call wrote or kept (res): if its TTL is still within
+-- min(1% of the TTL, 60 s) of full, the five keys (always refreshed together) are fresh enough and nothing is done;
+-- otherwise, or when `probe` is nil, all five get the full TTL.
+local function refresh_ttl(probe)
   local ttl = tonumber(ARGV[1])
   if ttl <= 0 then
     return
   end
-  if written then
-    redis.call('PEXPIRE', KEYS[written], ttl)
-    if redis.call('PTTL', KEYS[1]) >= ttl - math.min(math.floor(ttl / 100), 60000) then
-      return
-    end
+  if probe and redis.call('PTTL', KEYS[probe]) >= ttl - math.min(math.floor(ttl / 100), 60000) then
+    return
   end
   for i = 1, 5 do
     redis.call('PEXPIRE', KEYS[i], ttl)
