@@ -1,0 +1,153 @@
+"""Offline batch planner: order each request's blocks and the requests themselves to maximise prefix-cache hits.
+
+Why a prefix tree: an exact-prefix cache (SGLang's radix tree, vLLM's chained block hashes) lets a request reuse
+only a prefix it shares with *one* earlier request, so whatever the cache holds is part of the prefix tree (trie) of
+the prompts seen so far. If the requests run in depth-first (lexicographic) order of that trie, each request
+reuses its whole path down to where it leaves its predecessor, and a trie node is never needed again once its
+subtree is done: an LRU cache evicts exactly the finished branches and only has to hold the current path. The hit
+rate then reaches ``1 - tokens(trie) / tokens(all prompts)`` under any cache larger than one prompt, which is the
+best any schedule can do for those block orders. Planning is therefore the choice of each request's block order
+that makes the trie small (token-weighted), followed by a lexicographic schedule.
+
+Two trie builders (see :mod:`cpmemory.core.planner_tree`) capture the two kinds of sharing found in real traces:
+
+* a *core tree* grown by lazy Kruskal over token-weighted pairwise overlaps (clusters of similar requests, where
+  the paper's clustering wins, e.g. LoCoMo), and
+* a *conditional-frequency split*, top-down like a decision tree (global popularity, e.g. MultiHop-RAG).
+
+The planner builds both, plus the retrieval order and a popularity sort as fallbacks, and keeps the one whose trie
+saves most tokens, computed exactly from the orders (sum of token-weighted common prefixes of lexicographic
+neighbours). This is a choice by the objective, not by workload; with an unbounded cache the reuse of a set of
+orders does not depend on the schedule, and the lexicographic schedule attains it under any cache holding one
+prompt, so the plan never reuses fewer block tokens than retrieval order or a popularity sort would.
+
+Multi-turn sessions (``sessions`` given): a later turn carries its session's history as its prompt prefix, so only
+a session's first turn can share a prefix with other sessions. Sessions are planned as units keyed by their first
+turn, and all turns of a session run back to back in their order, so the history just inserted is still cached.
+Only first turns are reordered; later turns keep their block order (no other session can share it).
+
+Pure (no IO, no state) and deterministic. Cost: one sparse matrix product plus O(P log P) for P candidate pairs
+(32 per request), and O(R * K * depth) for the split, for R requests of K blocks: about a second for 2,000 x 15.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Hashable, Mapping, Sequence
+from dataclasses import dataclass
+
+from cpmemory.core.planner_tree import (
+    build_core_tree,
+    build_split_orders,
+    core_tree_orders,
+    first_seen_ranks,
+)
+from cpmemory.errors import InvalidInputError
+
+Context = Sequence[Hashable]
+
+
+@dataclass(frozen=True, slots=True)
+class BatchPlan:
+    """An execution plan for a batch of requests.
+
+    Attributes:
+        order: execution order, as indices into the input ``contexts``.
+        contexts: each input context's blocks in their planned prompt order (``contexts[i]`` is a permutation of
+            input ``i``), indexed like the input, not like ``order``.
+    """
+
+    order: list[int]
+    contexts: list[list]
+
+
+def trie_savings(orders: Sequence[Context], weights: Mapping[Hashable, float],
+                 ranks: Mapping[Hashable, int]) -> tuple[float, list[int]]:
+    """Return ``(tokens reused, lexicographic order)`` for the given block orders run depth-first.
+
+    The tokens reused are the sum, over lexicographic neighbours, of the token weight of their common block prefix
+    (a sorted list's best earlier match is its predecessor). Pure; O(R K log R).
+    """
+    keyed = [tuple(ranks[block] for block in order) for order in orders]
+    schedule = sorted(range(len(orders)), key=lambda index: (keyed[index], index))
+    saved = 0.0
+    for previous, current in zip(schedule, schedule[1:]):
+        for a, b in zip(orders[previous], orders[current]):
+            if a != b:
+                break
+            saved += weights.get(a, 1.0)
+    return saved, schedule
+
+
+def _plan_units(contexts: Sequence[Context], weights: Mapping[Hashable, float]) -> tuple[list[int], list[list]]:
+    """Plan independent requests: build both tries, keep the one that saves more; return (order, orders)."""
+    ranks = first_seen_ranks(contexts)
+    popularity: Counter = Counter()
+    for context in contexts:
+        for block in dict.fromkeys(context):
+            popularity[block] += weights.get(block, 1.0)
+    tree = build_core_tree(contexts, weights, ranks)
+    candidates = [
+        core_tree_orders(tree, contexts, ranks, popularity),
+        build_split_orders(contexts, weights, ranks),
+        # the baselines' orders too: the kept plan never reuses less than retrieval order or a popularity sort
+        [list(context) for context in contexts],
+        [sorted(context, key=lambda block: (-popularity[block], ranks[block])) for context in contexts],
+    ]
+    best: tuple[float, list[int], list[list]] | None = None
+    for orders in candidates:
+        saved, schedule = trie_savings(orders, weights, ranks)
+        if best is None or saved > best[0]:
+            best = (saved, schedule, orders)
+    assert best is not None
+    return best[1], best[2]
+
+
+def _validate(contexts: Sequence[Context], sessions: Sequence[Hashable] | None) -> None:
+    if isinstance(contexts, (str, bytes)):
+        raise InvalidInputError("contexts must be a list of block lists")
+    for index, context in enumerate(contexts):
+        if isinstance(context, (str, bytes)):
+            raise InvalidInputError(f"context {index} must be a list of block keys, not a string")
+    if sessions is not None and len(sessions) != len(contexts):
+        raise InvalidInputError(f"sessions has {len(sessions)} entries for {len(contexts)} contexts")
+
+
+def plan_batch(
+    contexts: Sequence[Context],
+    *,
+    sessions: Sequence[Hashable] | None = None,
+    token_counts: Mapping[Hashable, float] | None = None,
+) -> BatchPlan:
+    """Plan the block order of each context and the execution order of the batch (see the module docstring).
+
+    Args:
+        contexts: each request's blocks (hashable keys, e.g. content hashes) in retrieval order.
+        sessions: optional session key per request; requests of a session are turns of one conversation (history
+            is their prompt prefix), keep their relative order and run back to back.
+        token_counts: optional tokens per block key (default 1 each): weighs a block's value as a shared prefix.
+
+    Returns:
+        A BatchPlan; every planned context is a permutation of its input. Pure and deterministic.
+
+    Raises:
+        InvalidInputError: when a context is a string or ``sessions`` does not match ``contexts`` in length.
+    """
+    _validate(contexts, sessions)
+    contexts = [list(context) for context in contexts]
+    weights = token_counts or {}
+    if not contexts:
+        return BatchPlan([], [])
+    if sessions is None:
+        order, orders = _plan_units(contexts, weights)
+        return BatchPlan(order, orders)
+    turns: dict[Hashable, list[int]] = {}
+    for index, session in enumerate(sessions):
+        turns.setdefault(session, []).append(index)
+    heads = [members[0] for members in turns.values()]
+    unit_order, unit_orders = _plan_units([contexts[head] for head in heads], weights)
+    planned = [list(context) for context in contexts]
+    order: list[int] = []
+    for unit in unit_order:
+        planned[heads[unit]] = unit_orders[unit]
+        order.extend(turns[sessions[heads[unit]]])
+    return BatchPlan(order, planned)
