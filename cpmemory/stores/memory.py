@@ -7,6 +7,7 @@ sections are short and never wait on IO, so the event loop is not blocked in any
 Time comes from an injectable monotonic clock (tests move it by hand). Expired conversations are dropped lazily
 when touched and by a sweep every ``SWEEP_EVERY`` calls, so memory stays bounded by the live conversations.
 """
+
 from __future__ import annotations
 
 import threading
@@ -173,7 +174,9 @@ def _apply(conversation: _Conversation, reservation_id: str, record: TurnRecord)
     turn = conversation.turns
     conversation.transcript.extend({"role": m["role"], "content": m["content"]} for m in record.messages)
     for shown in record.shown:
-        conversation.seen[shown.content_hash] = SeenBlock(shown.block_id, shown.content_hash, shown.label, turn)
+        conversation.seen[shown.content_hash] = SeenBlock(
+            shown.block_id, shown.content_hash, shown.label, turn
+        )
         conversation.ids[shown.block_id] = shown.content_hash
     conversation.search_paths.append(tuple(record.search_path))
     _remember(conversation.committed, reservation_id, turn)
@@ -183,8 +186,13 @@ def _apply(conversation: _Conversation, reservation_id: str, record: TurnRecord)
 class AsyncInMemorySessionStore:
     """Asyncio face of :class:`InMemorySessionStore` (same contract, awaited; shares the same state when given one)."""
 
-    def __init__(self, ttl_s: float | None = 24 * 3600.0, clock: Clock = time.monotonic,
-                 *, store: InMemorySessionStore | None = None) -> None:
+    def __init__(
+        self,
+        ttl_s: float | None = 24 * 3600.0,
+        clock: Clock = time.monotonic,
+        *,
+        store: InMemorySessionStore | None = None,
+    ) -> None:
         self.sync = store if store is not None else InMemorySessionStore(ttl_s=ttl_s, clock=clock)
 
     async def reserve(self, key: ConversationKey, request: ReserveRequest) -> Reservation:

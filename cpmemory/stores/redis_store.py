@@ -1,9 +1,10 @@
 """Session state in Redis: two-phase turns, one round trip each, tenant-isolated, cluster-ready.
 
-Every operation is one Lua script run by SHA (``EVALSHA``; redis-py's ``Script`` reloads it on ``NOSCRIPT``, e.g.
-after a server restart) over the seven keys of one conversation (see :mod:`cpmemory.stores.keys`), which share one
-hash tag and therefore one Redis Cluster slot. The scripts live in ``cpmemory/stores/lua/*.lua`` with their
-``KEYS``/``ARGV`` contract at the top; ``common.lua`` is prepended to each.
+Every operation is one Lua script run by SHA (``EVALSHA``; reloaded on ``NOSCRIPT``, e.g. after a server restart)
+over the five keys of one conversation (see :mod:`cpmemory.stores.keys`), which share one hash tag and therefore one
+Redis Cluster slot. The scripts live in ``cpmemory/stores/lua/*.lua`` with their ``KEYS``/``ARGV`` contract at the
+top; ``common.lua`` is prepended to each. They are registered with redis-py's ``register_script``; on a standalone
+synchronous client they are sent by :class:`DirectScriptRunner` (see there why), otherwise by redis-py's ``Script``.
 
 The request encoding and the reply decoding are sans-IO (:class:`RedisSessionCodec`), shared by the synchronous
 :class:`RedisSessionStore` (``redis.Redis`` / ``redis.cluster.RedisCluster``) and the asyncio
