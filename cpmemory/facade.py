@@ -16,6 +16,7 @@ the reordered order (pass them back as ``prompt_order=`` to ``prepare``).
 Store failures (StoreUnavailableError, connection or timeout errors, any redis error) make ``prepare`` a degraded
 pass-through: relevance order, every block in full, nothing reserved; it is logged once per outage and counted.
 """
+
 from __future__ import annotations
 
 import functools
@@ -87,7 +88,9 @@ class _FacadeCore:
         self._segments = SegmentCache()
 
     # -- prepare -------------------------------------------------------------------------------------------------
-    def _input(self, conversation_id: str, query: str, blocks: Iterable[BlockLike], **kwargs: Any) -> TurnInput:
+    def _input(
+        self, conversation_id: str, query: str, blocks: Iterable[BlockLike], **kwargs: Any
+    ) -> TurnInput:
         return make_input(conversation_id, query, blocks, config=self.config, **kwargs)
 
     def _planned(self, turn_input: TurnInput, reservation: Any) -> PreparedTurn:
@@ -123,7 +126,8 @@ class _FacadeCore:
         with self._pending_lock:
             self._pending[turn.reservation_id] = (now, turn)
             while self._pending and (
-                len(self._pending) > self.config.max_pending_turns or next(iter(self._pending.values()))[0] < horizon
+                len(self._pending) > self.config.max_pending_turns
+                or next(iter(self._pending.values()))[0] < horizon
             ):
                 self._pending.popitem(last=False)
 
@@ -236,7 +240,9 @@ class CpMemory(_FacadeCore):
 
     def __init__(self, store: SessionStore | None = None, config: CpMemoryConfig | None = None) -> None:
         super().__init__(config)
-        self.store: SessionStore = store if store is not None else InMemorySessionStore(ttl_s=self.config.ttl_s)
+        self.store: SessionStore = (
+            store if store is not None else InMemorySessionStore(ttl_s=self.config.ttl_s)
+        )
 
     def prepare(
         self,
@@ -267,8 +273,13 @@ class CpMemory(_FacadeCore):
             before anything is reserved.
         """
         turn_input = self._input(
-            conversation_id, query, blocks,
-            history=history, tenant=tenant, system_prompt=system_prompt, prompt_order=prompt_order,
+            conversation_id,
+            query,
+            blocks,
+            history=history,
+            tenant=tenant,
+            system_prompt=system_prompt,
+            prompt_order=prompt_order,
         )
         try:
             reservation = self.store.reserve(turn_input.key, reserve_request(turn_input, self.config))
@@ -343,8 +354,13 @@ class AsyncCpMemory(_FacadeCore):
     ) -> PreparedTurn:
         """See :meth:`CpMemory.prepare`."""
         turn_input = self._input(
-            conversation_id, query, blocks,
-            history=history, tenant=tenant, system_prompt=system_prompt, prompt_order=prompt_order,
+            conversation_id,
+            query,
+            blocks,
+            history=history,
+            tenant=tenant,
+            system_prompt=system_prompt,
+            prompt_order=prompt_order,
         )
         try:
             reservation = await self.store.reserve(turn_input.key, reserve_request(turn_input, self.config))

@@ -19,6 +19,7 @@ Labels come from the content hash (``Block.label``), so the same text gets the s
 cross-session prefixes stay byte-identical; caller ids never reach the prompt, so an id cannot inject text.
 Every function here is pure and deterministic: the same inputs give the same bytes.
 """
+
 from __future__ import annotations
 
 import re
@@ -61,7 +62,11 @@ def format_partial(label: str, new_segments: Sequence[str], holder_labels: Seque
         holder_labels: labels of earlier blocks holding the other segments (may be empty: "shown earlier").
     """
     where = ", ".join(f"[{holder}]" for holder in holder_labels)
-    trailer = f"(Rest of [{label}]: in {where}, shown earlier.)" if where else f"(Rest of [{label}]: shown earlier.)"
+    trailer = (
+        f"(Rest of [{label}]: in {where}, shown earlier.)"
+        if where
+        else f"(Rest of [{label}]: shown earlier.)"
+    )
     body = "\n".join(new_segments)
     return f"[{label}]\n{body}\n{trailer}" if body else f"[{label}]\n{trailer}"
 

@@ -23,6 +23,7 @@ For each block of a request, in relevance order, the first rule that applies dec
 Everything here is pure (no IO, no mutation of inputs). ``decide`` is O(k) for k blocks when no history segments are
 given; with segments it adds O(len(text)) per candidate block.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
@@ -216,7 +217,9 @@ def partial_overlap(text: str, segments: SegmentIndex, threshold: float) -> Dedu
             holders[holder] = None
     if present == 0 or present < threshold * total:
         return None
-    return DedupDecision("partial", new_segments=tuple(new_segments), holder_labels=tuple(holders), saved_chars=present)
+    return DedupDecision(
+        "partial", new_segments=tuple(new_segments), holder_labels=tuple(holders), saved_chars=present
+    )
 
 
 def decide(

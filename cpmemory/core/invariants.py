@@ -14,6 +14,7 @@ last message when it has one, else the order in which the labels first appear at
 Cost: O(k * P) substring searches for k blocks and a prompt of P characters (``str.find`` is memchr-fast), plus one
 regex pass over the last message.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
@@ -58,7 +59,10 @@ def _check_block(block: Block, label: str, prompt: str, last: str) -> tuple[str 
     missing = [segment for segment in split_segments(block.text) if segment not in prompt]
     if not missing:
         return "partial", None
-    return None, f"block {block.id!r} ({label}) is lost: {len(missing)} segment(s) absent, e.g. {missing[0][:60]!r}"
+    return (
+        None,
+        f"block {block.id!r} ({label}) is lost: {len(missing)} segment(s) absent, e.g. {missing[0][:60]!r}",
+    )
 
 
 def check_no_loss(
@@ -104,4 +108,6 @@ def _check_order(labels: Sequence[str], last: str) -> str | None:
     found = annotations.appearance_order(last, frozenset(expected))
     if found == expected:
         return None
-    return f"prompt order {found} differs from the relevance order {expected} and there is no order annotation"
+    return (
+        f"prompt order {found} differs from the relevance order {expected} and there is no order annotation"
+    )

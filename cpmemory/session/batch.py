@@ -4,6 +4,7 @@ Uses the best algorithm importable: the PLANNER stream's ``cpmemory.core.planner
 pipeline from CORE (``cpmemory.core.ordering.reorder_batch`` + ``cpmemory.core.scheduling.schedule``), else the
 identity (relevance order, arrival order). Contexts are lists of content hashes, mapped back to block ids here.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence

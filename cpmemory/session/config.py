@@ -1,4 +1,5 @@
 """Configuration of the facade (pydantic v2; validated once, frozen)."""
+
 from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field

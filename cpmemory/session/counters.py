@@ -1,4 +1,5 @@
 """Counters kept by the facade (the server exposes them as Prometheus metrics)."""
+
 from __future__ import annotations
 
 import threading

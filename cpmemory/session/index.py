@@ -5,6 +5,7 @@ The facade keeps one index per tenant (a tenant never sees another tenant's pref
 shared prefix (relevance order is kept), so the facade works whatever is installed. Each tenant's index is bounded
 by ``max_leaves`` (ContextIndex evicts its least recently used leaf; the fallback its oldest request).
 """
+
 from __future__ import annotations
 
 import logging

@@ -6,6 +6,7 @@ An entry is rebuilt when the transcript no longer starts the same way (expired a
 Requests get a view limited to the messages they send (see SegmentIndex.limited_to), so a concurrent request that
 sends a shorter transcript never sees segments it does not send.
 """
+
 from __future__ import annotations
 
 import threading

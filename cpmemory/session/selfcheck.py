@@ -8,6 +8,7 @@ Workload (MT-RAG-like): a shared corpus with Zipf popularity; each turn retrieve
 already retrieved earlier in the conversation; some documents are edited between turns (changed blocks), some share
 sentences with others (partial overlap), and some turns are aborted (the LLM call failed).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -44,11 +45,16 @@ class SelfCheckFigures:
 
 def make_corpus(rng: random.Random, size: int) -> list[str]:
     """Documents of 3-8 sentences; about a quarter of the sentences are drawn from a shared pool."""
-    shared = [f"Shared finding {i}: the measured value stayed within the expected range." for i in range(SHARED_SENTENCES)]
+    shared = [
+        f"Shared finding {i}: the measured value stayed within the expected range."
+        for i in range(SHARED_SENTENCES)
+    ]
     corpus = []
     for doc in range(size):
         sentences = [
-            rng.choice(shared) if rng.random() < 0.25 else f"Document {doc} states fact {j} about item {rng.randrange(999)}."
+            rng.choice(shared)
+            if rng.random() < 0.25
+            else f"Document {doc} states fact {j} about item {rng.randrange(999)}."
             for j in range(rng.randint(3, 8))
         ]
         corpus.append(" ".join(sentences))
@@ -92,7 +98,9 @@ def run(conversations: int = 100, turns: int = 8, k: int = 15, seed: int = 0) ->
             if rng.random() < 0.1 and earlier:
                 edited = rng.choice(earlier)
                 edits[edited] = edits.get(edited, 0) + 1
-            blocks = [Block(f"doc-{d}", corpus[d] + (f" Edit {edits[d]}." if d in edits else "")) for d in docs]
+            blocks = [
+                Block(f"doc-{d}", corpus[d] + (f" Edit {edits[d]}." if d in edits else "")) for d in docs
+            ]
             total_chars += sum(len(block.text) for block in blocks)
             start = time.perf_counter()
             prepared = mem.prepare(f"conversation-{conversation}", f"Question {turn}?", blocks)

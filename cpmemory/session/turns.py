@@ -3,6 +3,7 @@
 prepare = ``make_input`` (validate, normalise) -> store.reserve(``reserve_request``) -> ``plan_turn`` (dedup, index
 placement, ordering, prompt) ; commit = store.commit(``commit_record``) ; a store failure -> ``degraded_turn``.
 """
+
 from __future__ import annotations
 
 import uuid
@@ -203,8 +204,10 @@ def decide_blocks(
         view = GivenHistory.from_messages(history)
     kwargs = {"seen_hashes": reservation.seen, "previous_hash_for_id": reservation.previous_hash_for_id}
     decisions = decide(turn_input.blocks, turn_input.digests, view, **kwargs)
-    wants_partial = config.partial_overlap and history and any(
-        d.status == "new" and b.text for d, b in zip(decisions, turn_input.blocks)
+    wants_partial = (
+        config.partial_overlap
+        and history
+        and any(d.status == "new" and b.text for d, b in zip(decisions, turn_input.blocks))
     )
     if wants_partial:
         segments = (segment_source or SegmentIndex.from_messages)(history)
@@ -221,16 +224,16 @@ def shown_indices(decisions: Sequence[DedupDecision]) -> list[int]:
     return [i for i, decision in enumerate(decisions) if decision.in_full or decision.status == "partial"]
 
 
-def arrange(
-    turn_input: TurnInput, shown: Sequence[int], prefix: Sequence[Hashable]
-) -> list[int]:
+def arrange(turn_input: TurnInput, shown: Sequence[int], prefix: Sequence[Hashable]) -> list[int]:
     """Return the prompt order of the shown blocks: ``prompt_order`` when given, else index prefix first.
 
     Blocks not named by the prefix (or by ``prompt_order``) follow in relevance order. Pure; O(k).
     """
     if turn_input.prompt_order is not None:
         rank = {block_id: r for r, block_id in enumerate(turn_input.prompt_order)}
-        first = sorted((i for i in shown if turn_input.blocks[i].id in rank), key=lambda i: rank[turn_input.blocks[i].id])
+        first = sorted(
+            (i for i in shown if turn_input.blocks[i].id in rank), key=lambda i: rank[turn_input.blocks[i].id]
+        )
     else:
         where = {digest: i for i in shown for digest in (turn_input.digests[i],)}
         first = [where[key] for key in dict.fromkeys(prefix) if key in where]
@@ -250,7 +253,9 @@ def render_user_message(
         decision = decisions[i]
         positions[i] = position
         if decision.status == "partial":
-            sections.append(annotations.format_partial(labels[i], decision.new_segments, decision.holder_labels))
+            sections.append(
+                annotations.format_partial(labels[i], decision.new_segments, decision.holder_labels)
+            )
         else:
             sections.append(annotations.format_block(labels[i], blocks[i].text))
     references: list[str] = []
@@ -264,7 +269,9 @@ def render_user_message(
     relevance = list(dict.fromkeys(labels))
     appearance = list(dict.fromkeys([labels[i] for i in order] + references))
     annotate = config.annotate_order and appearance != relevance
-    text = annotations.build_user_message(sections, references, relevance if annotate else None, turn_input.query)
+    text = annotations.build_user_message(
+        sections, references, relevance if annotate else None, turn_input.query
+    )
     return text, positions, annotate
 
 
@@ -324,7 +331,9 @@ def _block_decisions(
     turn_input: TurnInput, decisions: Sequence[DedupDecision], positions: Sequence[int | None]
 ) -> list[BlockDecision]:
     return [
-        BlockDecision(block.id, label_for_hash(digest), decision.status, rank, position, digest, decision.saved_chars)
+        BlockDecision(
+            block.id, label_for_hash(digest), decision.status, rank, position, digest, decision.saved_chars
+        )
         for rank, (block, digest, decision, position) in enumerate(
             zip(turn_input.blocks, turn_input.digests, decisions, positions)
         )

@@ -1,4 +1,5 @@
 """Prompt format (cpmemory.core.annotations): stable bytes, parseable order annotation, no id injection."""
+
 from __future__ import annotations
 
 from hypothesis import given, settings
@@ -7,8 +8,12 @@ from hypothesis import strategies as st
 from cpmemory.core import annotations
 from cpmemory.core.blocks import Block
 
-labels = st.lists(st.text(alphabet="0123456789abcdef", min_size=7, max_size=7).map(lambda h: "D" + h),
-                  min_size=1, max_size=20, unique=True)
+labels = st.lists(
+    st.text(alphabet="0123456789abcdef", min_size=7, max_size=7).map(lambda h: "D" + h),
+    min_size=1,
+    max_size=20,
+    unique=True,
+)
 
 
 @settings(max_examples=100, deadline=None)
@@ -19,9 +24,14 @@ def test_order_annotation_round_trips(order: list[str]) -> None:
 
 
 def test_same_inputs_same_bytes() -> None:
-    parts = [annotations.format_block("D1234567", "text"), annotations.format_partial("D7654321", ["new"], ["D1234567"])]
+    parts = [
+        annotations.format_block("D1234567", "text"),
+        annotations.format_partial("D7654321", ["new"], ["D1234567"]),
+    ]
     first = annotations.build_user_message(parts, ["D0000000"], ["D0000000", "D1234567", "D7654321"], "why?")
-    second = annotations.build_user_message(list(parts), ["D0000000"], ["D0000000", "D1234567", "D7654321"], "why?")
+    second = annotations.build_user_message(
+        list(parts), ["D0000000"], ["D0000000", "D1234567", "D7654321"], "why?"
+    )
     assert first == second
     assert first.endswith("Question: why?")
     assert "[D0000000] is shown earlier in this conversation." in first
@@ -35,7 +45,8 @@ def test_no_annotation_when_not_asked() -> None:
 def test_appearance_order_ignores_labels_inside_text() -> None:
     body = "see [D2222222] for details\n[D9999999] quoted at line start but unknown"
     message = annotations.build_user_message(
-        [annotations.format_block("D1111111", body), annotations.format_block("D2222222", "x")], [], None, "q")
+        [annotations.format_block("D1111111", body), annotations.format_block("D2222222", "x")], [], None, "q"
+    )
     assert annotations.appearance_order(message, {"D1111111", "D2222222"}) == ["D1111111", "D2222222"]
 
 

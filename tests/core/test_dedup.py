@@ -1,4 +1,5 @@
 """Dedup rules (cpmemory.core.dedup): the paper's example, changed blocks, resent blocks, partial overlap."""
+
 from __future__ import annotations
 
 from hypothesis import given, settings
@@ -16,7 +17,10 @@ from cpmemory.core.dedup import (
     split_segments,
 )
 
-TEXTS = {i: f"Document {i} reports that the river level rose by {i} centimetres during the storm." for i in range(10)}
+TEXTS = {
+    i: f"Document {i} reports that the river level rose by {i} centimetres during the storm."
+    for i in range(10)
+}
 
 
 def blocks_of(*ids: int) -> list[Block]:
@@ -33,7 +37,11 @@ def test_paper_example_only_block_5_in_full() -> None:
     turn1 = blocks_of(1, 2, 4)
     seen = {b.content_hash: True for b in turn1}
     turn2 = blocks_of(1, 5, 2)
-    assert statuses(turn2, history=CommittedHistory(seen), seen_hashes=seen) == ["referenced", "new", "referenced"]
+    assert statuses(turn2, history=CommittedHistory(seen), seen_hashes=seen) == [
+        "referenced",
+        "new",
+        "referenced",
+    ]
 
 
 def test_changed_block_is_sent_in_full_even_if_old_text_is_present() -> None:
@@ -41,9 +49,14 @@ def test_changed_block_is_sent_in_full_even_if_old_text_is_present() -> None:
     new = Block("a", TEXTS[1] + " Update: it fell again.")
     seen = {old.content_hash: True}
     history = GivenHistory(format_block(old.label, old.text))
-    result = decide([new], [new.content_hash], history, seen_hashes=seen,
-                    previous_hash_for_id={"a": old.content_hash},
-                    segments=SegmentIndex.from_messages([{"role": "user", "content": history.text}]))
+    result = decide(
+        [new],
+        [new.content_hash],
+        history,
+        seen_hashes=seen,
+        previous_hash_for_id={"a": old.content_hash},
+        segments=SegmentIndex.from_messages([{"role": "user", "content": history.text}]),
+    )
     assert [d.status for d in result] == ["changed"]
 
 
@@ -77,7 +90,9 @@ def _history_with(*blocks: Block) -> list[dict[str, str]]:
 
 
 def test_partial_overlap_sends_only_new_segments() -> None:
-    earlier = Block("e", "The first sentence is long enough to count. The second sentence is also long enough.")
+    earlier = Block(
+        "e", "The first sentence is long enough to count. The second sentence is also long enough."
+    )
     later = "The first sentence is long enough to count. A new remark."
     index = SegmentIndex.from_messages(_history_with(earlier))
     decision = partial_overlap(later, index, 0.5)
@@ -88,7 +103,10 @@ def test_partial_overlap_sends_only_new_segments() -> None:
 
 def test_partial_threshold_is_respected() -> None:
     earlier = Block("e", "The first sentence is long enough to count.")
-    later = "The first sentence is long enough to count. " + "Then a much longer brand new sentence follows here, which dominates."
+    later = (
+        "The first sentence is long enough to count. "
+        + "Then a much longer brand new sentence follows here, which dominates."
+    )
     index = SegmentIndex.from_messages(_history_with(earlier))
     assert partial_overlap(later, index, 0.5) is None  # 43 of 113 characters present
     assert partial_overlap(later, index, 0.3) is not None
@@ -103,7 +121,10 @@ def test_short_segments_never_count_as_present() -> None:
 
 def test_segments_in_answers_and_questions_are_not_indexed() -> None:
     sentence = "This sentence is comfortably longer than the minimum."
-    history = [{"role": "user", "content": "Question: " + sentence}, {"role": "assistant", "content": sentence}]
+    history = [
+        {"role": "user", "content": "Question: " + sentence},
+        {"role": "assistant", "content": sentence},
+    ]
     assert len(SegmentIndex.from_messages(history)) == 0
 
 

@@ -1,4 +1,5 @@
 """The no-loss checker catches every way a prompt can lose a block or its order."""
+
 from __future__ import annotations
 
 from cpmemory.core import annotations
@@ -65,11 +66,13 @@ def test_annotation_recovers_order() -> None:
 def test_partial_block_needs_every_segment() -> None:
     earlier = annotations.build_user_message(shown(Block("x", "Alpha document.")), [], None, "q0")
     ok_user = annotations.build_user_message(
-        [annotations.format_partial(A.label, ["It has two sentences."], ["Dxxxxxxx"])], [], None, "q")
+        [annotations.format_partial(A.label, ["It has two sentences."], ["Dxxxxxxx"])], [], None, "q"
+    )
     report = check_no_loss([A], prompt(ok_user, earlier, "ans"))
     assert report.ok and report.partial == 1
     bad_user = annotations.build_user_message(
-        [annotations.format_partial(A.label, ["It has two."], ["Dxxxxxxx"])], [], None, "q")
+        [annotations.format_partial(A.label, ["It has two."], ["Dxxxxxxx"])], [], None, "q"
+    )
     assert not check_no_loss([A], prompt(bad_user, earlier, "ans")).ok
 
 

@@ -1,4 +1,5 @@
 """Many threads / tasks on one facade: no loss, exact turn counts, a consistent index."""
+
 from __future__ import annotations
 
 import asyncio

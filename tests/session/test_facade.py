@@ -1,4 +1,5 @@
 """CpMemory end to end with the in-memory store: dedup across turns, prefix stability, two-phase semantics."""
+
 from __future__ import annotations
 
 import logging
@@ -17,7 +18,10 @@ from cpmemory.errors import (
 from cpmemory.stores.base import ConversationKey
 from cpmemory.stores.memory import InMemorySessionStore
 
-DOCS = {i: f"Report {i}: the committee approved budget line {i * 7} after a long debate about item {i}." for i in range(50)}
+DOCS = {
+    i: f"Report {i}: the committee approved budget line {i * 7} after a long debate about item {i}."
+    for i in range(50)
+}
 
 
 def blocks(*ids: int) -> list[tuple[int, str]]:
@@ -28,7 +32,9 @@ def status_by_id(turn: PreparedTurn) -> dict[str, str]:
     return {d.block_id: d.status for d in turn.decisions}
 
 
-def run_turn(mem: CpMemory, conversation: str, ids: tuple[int, ...], answer: str = "ok", **kwargs) -> PreparedTurn:
+def run_turn(
+    mem: CpMemory, conversation: str, ids: tuple[int, ...], answer: str = "ok", **kwargs
+) -> PreparedTurn:
     turn = mem.prepare(conversation, f"question about {ids}?", blocks(*ids), **kwargs)
     report = check_no_loss(blocks(*ids), turn.messages)
     assert report.ok, report.violations
@@ -279,11 +285,18 @@ def test_cross_conversation_requests_share_a_prompt_prefix() -> None:
 
 def test_partial_overlap_across_turns() -> None:
     mem = CpMemory()
-    old = [("a", "The harbour was closed on Monday because of the storm. Ferries resumed on Tuesday morning.")]
+    old = [
+        ("a", "The harbour was closed on Monday because of the storm. Ferries resumed on Tuesday morning.")
+    ]
     first = mem.prepare("c", "q1", old)
     mem.commit(first, "a1")
-    new = [("b", "The harbour was closed on Monday because of the storm. Ferries resumed on Tuesday morning. "
-                 "Tickets were refunded.")]
+    new = [
+        (
+            "b",
+            "The harbour was closed on Monday because of the storm. Ferries resumed on Tuesday morning. "
+            + "Tickets were refunded.",
+        )
+    ]
     turn = mem.prepare("c", "q2", new)
     assert [d.status for d in turn.decisions] == ["partial"]
     user = turn.messages[-1]["content"]

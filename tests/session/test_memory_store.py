@@ -1,4 +1,5 @@
 """InMemorySessionStore / AsyncInMemorySessionStore: two-phase turns, TTL, timeouts, tenants, threads."""
+
 from __future__ import annotations
 
 import threading
@@ -30,7 +31,9 @@ KEY = ConversationKey("tenant-a", "conv-1")
 
 def record(*hashes: str, text: str = "u") -> TurnRecord:
     shown = tuple(SeenBlock(f"id-{h}", h, f"D{h}", 0) for h in hashes)
-    return TurnRecord(({"role": "user", "content": text}, {"role": "assistant", "content": "a"}), shown, (0, 1))
+    return TurnRecord(
+        ({"role": "user", "content": text}, {"role": "assistant", "content": "a"}), shown, (0, 1)
+    )
 
 
 def request(*hashes: str, timeout: float = 10.0) -> ReserveRequest:
@@ -93,7 +96,9 @@ def test_reservation_timeout(store: InMemorySessionStore, clock: FakeClock) -> N
     assert state.turns == 0 and state.seen == {} and state.open_reservations == 0
 
 
-def test_ttl_expiry_reads_as_empty_and_is_refreshed_on_use(store: InMemorySessionStore, clock: FakeClock) -> None:
+def test_ttl_expiry_reads_as_empty_and_is_refreshed_on_use(
+    store: InMemorySessionStore, clock: FakeClock
+) -> None:
     reservation = store.reserve(KEY, request("h1"))
     store.commit(KEY, reservation.reservation_id, record("h1"))
     clock.now += 90.0

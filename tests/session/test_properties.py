@@ -1,4 +1,5 @@
 """Property tests: across random multi-turn conversations no block is ever lost and the order is recoverable."""
+
 from __future__ import annotations
 
 import asyncio
@@ -10,7 +11,10 @@ from cpmemory import AsyncCpMemory, CpMemory, CpMemoryConfig
 from cpmemory.core.invariants import check_no_loss
 
 SENTENCES = [f"Sentence number {i} carries a distinct fact about topic {i % 5}." for i in range(12)] + [
-    "Short.", "", "Line one\nline two of a multi-line remark.", "Brackets [D1234567] and ] [ inside text."
+    "Short.",
+    "",
+    "Line one\nline two of a multi-line remark.",
+    "Brackets [D1234567] and ] [ inside text.",
 ]
 
 block_text = st.lists(st.sampled_from(SENTENCES), min_size=0, max_size=4).map(" ".join)

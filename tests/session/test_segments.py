@@ -1,4 +1,5 @@
 """The cached segment index: extended incrementally, limited to what a request sends, rebuilt when stale."""
+
 from __future__ import annotations
 
 from cpmemory.core.annotations import build_user_message, format_block

@@ -1,4 +1,5 @@
 """The seeded facade workload: no violation, dedup actually happens, deterministic decisions."""
+
 from __future__ import annotations
 
 from cpmemory.session.selfcheck import main, run
@@ -9,7 +10,11 @@ def test_small_workload_has_no_violation_and_saves_characters() -> None:
     assert figures.violations == 0
     assert figures.referenced > 0 and figures.chars_sent_ratio < 1.0
     again = run(conversations=6, turns=5, k=10, seed=3)
-    assert (again.referenced, again.partial, again.changed) == (figures.referenced, figures.partial, figures.changed)
+    assert (again.referenced, again.partial, again.changed) == (
+        figures.referenced,
+        figures.partial,
+        figures.changed,
+    )
 
 
 def test_cli_prints_json(capsys) -> None:
