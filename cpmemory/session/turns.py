@@ -71,6 +71,8 @@ class PreparedTurn:
         order_annotated: True when the prompt carries an order annotation.
         saved_chars: characters not sent because of de-duplication.
         query: the question.
+        user_message: the content of the user message as sent (what commit records, even if the caller
+            mutates ``messages``).
         index_evictions: requests the tenant's index dropped to stay bounded when this one was inserted.
     """
 
@@ -87,6 +89,7 @@ class PreparedTurn:
     order_annotated: bool = False
     saved_chars: int = 0
     query: str = field(default="", repr=False)
+    user_message: str = field(default="", repr=False)
     index_evictions: int = 0
 
     @property
@@ -319,6 +322,7 @@ def plan_turn(
         index_evictions=len(placement.evicted),
         saved_chars=sum(decision.saved_chars for decision in decisions),
         query=turn_input.query,
+        user_message=text,
     )
 
 
@@ -357,6 +361,7 @@ def degraded_turn(turn_input: TurnInput, config: CpMemoryConfig) -> PreparedTurn
         prompt_order=[block.id for block in turn_input.blocks],
         degraded=True,
         query=turn_input.query,
+        user_message=text,
     )
 
 
@@ -364,13 +369,13 @@ def commit_record(turn: PreparedTurn, answer: str) -> TurnRecord:
     """Return what commit makes durable: the user message as sent, the answer, and the blocks shown in full."""
     if not isinstance(answer, str):
         raise InvalidInputError(f"answer must be a string, got {type(answer).__name__}")
-    user = turn.messages[-1]
+    user = turn.user_message or turn.messages[-1]["content"]
     shown = tuple(
         SeenBlock(d.block_id, d.content_hash, d.label, turn.turn)
         for d in turn.decisions
         if d.status in ("new", "changed", "resent")
     )
-    messages = ({"role": user["role"], "content": user["content"]}, {"role": "assistant", "content": answer})
+    messages = ({"role": "user", "content": user}, {"role": "assistant", "content": answer})
     return TurnRecord(messages=messages, shown=shown, search_path=turn.search_path)
 
 

@@ -326,3 +326,13 @@ def test_commit_after_the_reservation_timeout_is_expired() -> None:
     with pytest.raises(ReservationExpiredError):
         mem.commit(turn.reservation_id, "late")
     assert {d.status for d in mem.prepare("c", "q", blocks(1)).decisions} == {"new"}
+
+
+def test_commit_records_the_message_as_sent_even_if_the_caller_mutates_messages() -> None:
+    mem = CpMemory()
+    turn = mem.prepare("c", "q", blocks(1))
+    sent = turn.messages[-1]["content"]
+    turn.messages.append({"role": "assistant", "content": "the caller appended its answer"})
+    mem.commit(turn, "a")
+    transcript = mem.store.load(turn.key).transcript
+    assert [m["content"] for m in transcript] == [sent, "a"]
