@@ -11,6 +11,7 @@ contexts indexed), ``reorder_p50_ms`` (reordering by the found prefix), ``insert
 session stream's pure ``cpmemory.core.dedup.decide`` for one turn of a multi-turn conversation, or a seen-set
 dedup when that module is absent) and ``peak_rss_mb`` (the process's peak resident memory).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -71,7 +72,9 @@ def make_workload(spec: WorkloadSpec, count: int | None = None, stream: int = 0)
     return [[f"d{block}" for block in context] for context in contexts]
 
 
-def _near_duplicate(source: list[int], rng: np.random.Generator, draw: Callable[[int], np.ndarray]) -> list[int]:
+def _near_duplicate(
+    source: list[int], rng: np.random.Generator, draw: Callable[[int], np.ndarray]
+) -> list[int]:
     context = list(source)
     for slot in rng.choice(len(context), size=min(len(context), int(rng.integers(1, 4))), replace=False):
         replacement = next((int(b) for b in draw(16) if int(b) not in context), None)
@@ -244,11 +247,17 @@ def _print_table(figures: CoreFigures, extra: dict[str, float]) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"cpmemory bench core: {figures.contexts} contexts of k={figures.k} (seed {figures.seed})")
+    table = Table(
+        title=f"cpmemory bench core: {figures.contexts} contexts of k={figures.k} (seed {figures.seed})"
+    )
     table.add_column("figure")
     table.add_column("value", justify="right")
     table.add_column("target", justify="right")
-    targets = {"build_seconds": "<= 3 (12K)", "search_p50_ms": "search+reorder <= 0.1", "dedup_p50_ms": "<= 0.05"}
+    targets = {
+        "build_seconds": "<= 3 (12K)",
+        "search_p50_ms": "search+reorder <= 0.1",
+        "dedup_p50_ms": "<= 0.05",
+    }
     for name, value in {**asdict(figures), **extra}.items():
         table.add_row(name, str(value), targets.get(name, ""))
     Console().print(table)
@@ -269,7 +278,11 @@ def command(
 
     spec = WorkloadSpec(contexts=contexts, k=k, seed=seed)
     with Progress(
-        SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=Console(stderr=True), transient=True
+        SpinnerColumn(),
+        TextColumn("{task.description}"),
+        TimeElapsedColumn(),
+        console=Console(stderr=True),
+        transient=True,
     ) as bar:
         task = bar.add_task("starting", total=None)
         figures = run_core_bench(spec, progress=lambda phase: bar.update(task, description=phase))

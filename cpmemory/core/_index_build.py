@@ -24,6 +24,7 @@ node holds the intersection of its children, internal nodes with an empty conten
 parent (an addition to the paper that keeps the tree shallow), are removed and their children relinked upwards,
 children are ordered by subtree size (largest first), and contents are aligned top-down.
 """
+
 from __future__ import annotations
 
 from collections import Counter
@@ -86,7 +87,9 @@ def cluster(
     intersections of them.
     """
     n = encoded.size
-    rows = list(leaf_sets) if leaf_sets is not None else [frozenset(encoded.row(i).tolist()) for i in range(n)]
+    rows = (
+        list(leaf_sets) if leaf_sets is not None else [frozenset(encoded.row(i).tolist()) for i in range(n)]
+    )
     forest = ClusterForest([[] for _ in range(n)], rows, [0.0] * n, [], exact=n <= options.exact_limit)
     if n == 1:
         forest.roots = [0]
@@ -117,7 +120,9 @@ def _selective_cap(document_frequency: np.ndarray, budget: int) -> int:
     return int(within[-1]) if within.size else 1
 
 
-def _candidate_edges(encoded: EncodedContexts, options: BuildOptions) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _candidate_edges(
+    encoded: EncodedContexts, options: BuildOptions
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Pairs sharing a selective block, pruned to each context's nearest ``neighbors``; with exact distances."""
     n = encoded.size
     document_frequency = np.bincount(encoded.indices, minlength=encoded.vocabulary_size)
@@ -128,7 +133,9 @@ def _candidate_edges(encoded: EncodedContexts, options: BuildOptions) -> tuple[n
     order = np.lexsort((row_of_entry[keep], encoded.indices[keep]))
     owners, frequencies = row_of_entry[keep][order], frequency_of_entry[keep][order]
     lefts, rights = [], []
-    for frequency in np.unique(frequencies):  # blocks grouped by frequency: one (blocks x frequency) matrix each
+    for frequency in np.unique(
+        frequencies
+    ):  # blocks grouped by frequency: one (blocks x frequency) matrix each
         members = owners[frequencies == frequency].reshape(-1, frequency)
         first, second = np.triu_indices(int(frequency), 1)
         lefts.append(members[:, first].ravel())
@@ -158,7 +165,9 @@ def _nearest(
     return left[selected], right[selected], dist[selected]
 
 
-def _sparse_average_linkage(forest: ClusterForest, left: np.ndarray, right: np.ndarray, dist: np.ndarray) -> None:
+def _sparse_average_linkage(
+    forest: ClusterForest, left: np.ndarray, right: np.ndarray, dist: np.ndarray
+) -> None:
     """Average linkage on a sparse graph where absent pairs are at distance 1 (module docstring).
 
     Runs in rounds of reciprocal nearest neighbours: every pair of clusters that are each other's nearest neighbour
@@ -234,7 +243,9 @@ def _group_by_anchor(forest: ClusterForest) -> None:
         for root in roots:
             shared = [block for block in forest.contents[root] if counts[block] >= 2]
             if shared:  # the most widely shared block; ties by repr so the result does not depend on hashing
-                groups.setdefault(max(shared, key=lambda block: (counts[block], repr(block))), []).append(root)
+                groups.setdefault(max(shared, key=lambda block: (counts[block], repr(block))), []).append(
+                    root
+                )
             else:
                 loose.append(root)
         formed = [forest.add(members, 1.0) for members in groups.values() if len(members) >= 2]

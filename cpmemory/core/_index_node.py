@@ -9,6 +9,7 @@ Performance notes (the search target is ~0.1 ms with 10,000 contexts indexed):
   search compares children only on those remaining blocks: one dict lookup per block of the query per level,
   however large the fan-out.
 """
+
 from __future__ import annotations
 
 from collections.abc import Hashable, Iterator
@@ -33,17 +34,17 @@ class IndexNode:
     """
 
     __slots__ = (
-        "node_id",
+        "access_count",
+        "child_index",
+        "children",
         "content",
         "content_set",
-        "parent",
-        "slot",
-        "children",
-        "next_slot",
-        "child_index",
-        "request_ids",
-        "access_count",
         "merge_distance",
+        "next_slot",
+        "node_id",
+        "parent",
+        "request_ids",
+        "slot",
     )
 
     def __init__(self, node_id: int, content: tuple[Hashable, ...], *, leaf: bool) -> None:

@@ -18,6 +18,7 @@ batch build never loops in Python per pair:
   exact-linkage size): a sorted ``context * V + block`` key array answers "position of block b in context j" by
   binary search. O(P * K log nnz) for P pairs of contexts of K blocks.
 """
+
 from __future__ import annotations
 
 from collections.abc import Hashable, Iterable, Sequence
@@ -101,7 +102,9 @@ def encode_contexts(contexts: Sequence[Sequence[Hashable]], *, deduplicated: boo
     return EncodedContexts(indptr, np.asarray(flat, dtype=np.int32), positions, lengths, list(key_to_int))
 
 
-def _distance_from_sums(overlap: np.ndarray, position_sum: np.ndarray, longest: np.ndarray, alpha: float) -> np.ndarray:
+def _distance_from_sums(
+    overlap: np.ndarray, position_sum: np.ndarray, longest: np.ndarray, alpha: float
+) -> np.ndarray:
     """Turn overlap counts, position sums and max lengths into distances (1 where nothing is shared)."""
     shared = overlap > 0
     safe_overlap = np.where(shared, overlap, 1)
@@ -197,7 +200,9 @@ def _pair_distances_padded(
         same = (a[:, :, None] == b[:, None, :]) & (a[:, :, None] != encoded.vocabulary_size)
         overlap = same.sum(axis=(1, 2))
         position_sum = (same * slot_gap).sum(axis=(1, 2))
-        longest = np.maximum(encoded.lengths[left[start : start + chunk]], encoded.lengths[right[start : start + chunk]])
+        longest = np.maximum(
+            encoded.lengths[left[start : start + chunk]], encoded.lengths[right[start : start + chunk]]
+        )
         out[start : start + chunk] = _distance_from_sums(overlap, position_sum, longest, alpha)
     return out
 
@@ -224,7 +229,9 @@ def pair_distances(
     sorted_keys, sorted_positions = keys[order], encoded.positions[order]
     counts = encoded.lengths[left]
     pair_of_entry = np.repeat(np.arange(left.size), counts)
-    entry = np.repeat(encoded.indptr[left], counts) + (np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts))
+    entry = np.repeat(encoded.indptr[left], counts) + (
+        np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
+    )
     probe = right[pair_of_entry] * vocabulary + encoded.indices[entry]
     found_at = np.minimum(np.searchsorted(sorted_keys, probe), sorted_keys.size - 1)
     hit = sorted_keys[found_at] == probe

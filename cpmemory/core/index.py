@@ -20,6 +20,7 @@ more requests with the same set of blocks. Built offline from a batch (:meth:`Co
 
 Not thread-safe: callers serialise access (the facade holds one index per tenant behind a lock).
 """
+
 from __future__ import annotations
 
 from collections import OrderedDict
@@ -228,7 +229,9 @@ class ContextIndex:
                         position_sum[slot] = position_sum.get(slot, 0) + abs(here - there)
             if not overlap:
                 break
-            best_slot = self._nearest_child(node, overlap, position_sum, base_overlap, base_positions, query_length)
+            best_slot = self._nearest_child(
+                node, overlap, position_sum, base_overlap, base_positions, query_length
+            )
             if best_slot is None:
                 break
             node = node.children[best_slot]
@@ -435,9 +438,15 @@ class ContextIndex:
         while stack and len(lines) < max_nodes:
             node, depth = stack.pop()
             blocks = ", ".join(map(str, node.content[:12])) + (", ..." if len(node.content) > 12 else "")
-            kind = f"leaf x{node.frequency}" if node.request_ids is not None else f"{len(node.children)} children"
+            kind = (
+                f"leaf x{node.frequency}"
+                if node.request_ids is not None
+                else f"{len(node.children)} children"
+            )
             label = "root" if node is self._root else f"[{node.slot}]"
-            lines.append(f"{'  ' * depth}{label} #{node.node_id} {{{blocks}}} ({kind}, hits {node.access_count})")
+            lines.append(
+                f"{'  ' * depth}{label} #{node.node_id} {{{blocks}}} ({kind}, hits {node.access_count})"
+            )
             stack.extend((child, depth + 1) for child in reversed(list(node.children.values())))
         if stack:
             lines.append(f"... ({len(self._nodes) - len(lines)} more nodes)")
@@ -468,7 +477,9 @@ def _check_node(node: IndexNode, is_root: bool) -> None:
         if child.parent is not node or child.slot != slot or slot >= node.next_slot:
             raise IndexIntegrityError(f"{where}: child {child.node_id} has broken parent/slot links")
         if child.content[: len(node.content)] != node.content:
-            raise IndexIntegrityError(f"{where}: child {child.node_id} does not start with its parent's content")
+            raise IndexIntegrityError(
+                f"{where}: child {child.node_id} does not start with its parent's content"
+            )
         for position in range(len(node.content), len(child.content)):
             expected.setdefault(child.content[position], {})[slot] = position
     if node.child_index is not None and expected != node.child_index:

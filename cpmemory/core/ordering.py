@@ -3,6 +3,7 @@
 The order annotation that tells the model the original ranking is written by :mod:`cpmemory.core.annotations`;
 this module only decides the order of the block keys.
 """
+
 from __future__ import annotations
 
 from collections.abc import Hashable, Iterable, Sequence
@@ -43,7 +44,10 @@ def reorder(context: Iterable[Hashable], prefix: Iterable[Hashable]) -> list[Has
 
 
 def reorder_batch(
-    contexts: Sequence[Sequence[Hashable]], alpha: float = DEFAULT_ALPHA, *, options: BuildOptions | None = None
+    contexts: Sequence[Sequence[Hashable]],
+    alpha: float = DEFAULT_ALPHA,
+    *,
+    options: BuildOptions | None = None,
 ) -> BatchOrdering:
     """Build an index over ``contexts``, align it and reorder every context by its leaf (pure w.r.t. inputs).
 

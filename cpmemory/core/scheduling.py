@@ -4,6 +4,7 @@ Requests are grouped by the first element of their search path (the top-level su
 group the longest paths (deepest, most specific prefixes) go first; groups go largest first. Ties keep the input
 order, so the result is deterministic. Requests with an empty path (nothing shared) form one group.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence

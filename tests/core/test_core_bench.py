@@ -1,4 +1,5 @@
 """`cpmemory bench core`: the workload is seeded and realistic, the command prints the JSON contract."""
+
 from __future__ import annotations
 
 import json
@@ -10,7 +11,14 @@ from cpmemory.bench.core_bench import WorkloadSpec, make_workload
 from cpmemory.cli import app
 
 REQUIRED_KEYS = {
-    "contexts", "k", "build_seconds", "search_p50_ms", "search_p99_ms", "reorder_p50_ms", "dedup_p50_ms", "peak_rss_mb",
+    "contexts",
+    "k",
+    "build_seconds",
+    "search_p50_ms",
+    "search_p99_ms",
+    "reorder_p50_ms",
+    "dedup_p50_ms",
+    "peak_rss_mb",
 }
 
 
@@ -26,7 +34,9 @@ def test_the_workload_is_seeded_and_overlapping() -> None:
 
 
 def test_bench_core_prints_one_json_object() -> None:
-    result = CliRunner().invoke(app, ["bench", "core", "--contexts", "600", "--k", "8", "--seed", "1", "--json"])
+    result = CliRunner().invoke(
+        app, ["bench", "core", "--contexts", "600", "--k", "8", "--seed", "1", "--json"]
+    )
     assert result.exit_code == 0, result.output
     figures = json.loads(result.stdout.strip().splitlines()[-1])
     assert REQUIRED_KEYS <= figures.keys()

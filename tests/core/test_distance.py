@@ -1,4 +1,5 @@
 """Vectorised distances equal the scalar formula; the sparse linkage equals scipy's average linkage."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -16,14 +17,21 @@ contexts_strategy = st.lists(st.lists(st.integers(0, 25), max_size=9), min_size=
 
 def _scalar_matrix(contexts: list[list[int]], alpha: float) -> np.ndarray:
     n = len(contexts)
-    return np.array([[0.0 if i == j else context_distance(contexts[i], contexts[j], alpha) for j in range(n)] for i in range(n)])
+    return np.array(
+        [
+            [0.0 if i == j else context_distance(contexts[i], contexts[j], alpha) for j in range(n)]
+            for i in range(n)
+        ]
+    )
 
 
 @settings(max_examples=80, deadline=None)
 @given(contexts_strategy, st.sampled_from([0.001, 0.01]))
 def test_condensed_matches_the_scalar_formula(contexts: list[list[int]], alpha: float) -> None:
     encoded = encode_contexts(contexts)
-    np.testing.assert_allclose(squareform(condensed_distances(encoded, alpha)), _scalar_matrix(contexts, alpha), atol=1e-12)
+    np.testing.assert_allclose(
+        squareform(condensed_distances(encoded, alpha)), _scalar_matrix(contexts, alpha), atol=1e-12
+    )
 
 
 @settings(max_examples=80, deadline=None)
@@ -41,7 +49,9 @@ def test_long_and_uneven_contexts_take_the_general_path() -> None:
     rng = np.random.default_rng(7)
     contexts = [list(rng.choice(3000, size=size, replace=False)) for size in (1000, 3, 0, 40, 999, 1)]
     encoded = encode_contexts(contexts)
-    np.testing.assert_allclose(squareform(condensed_distances(encoded)), _scalar_matrix(contexts, 0.001), atol=1e-12)
+    np.testing.assert_allclose(
+        squareform(condensed_distances(encoded)), _scalar_matrix(contexts, 0.001), atol=1e-12
+    )
     left, right = np.triu_indices(len(contexts), 1)
     want = [context_distance(contexts[a], contexts[b]) for a, b in zip(left, right)]
     np.testing.assert_allclose(pair_distances(encoded, left, right), want, atol=1e-12)
@@ -52,7 +62,9 @@ def test_duplicate_keys_keep_the_first_occurrence() -> None:
     assert encode_contexts([[5, 5, 6]]).lengths.tolist() == [2]
 
 
-def _merged_leaf_sets(children: list[list[int]], distances: list[float], n: int) -> dict[frozenset[int], float]:
+def _merged_leaf_sets(
+    children: list[list[int]], distances: list[float], n: int
+) -> dict[frozenset[int], float]:
     sets = [frozenset([i]) for i in range(n)]
     out = {}
     for cluster in range(n, len(children)):
@@ -68,13 +80,17 @@ def test_sparse_average_linkage_equals_scipy_on_the_full_graph(seed: int) -> Non
     n = 70
     condensed = rng.random(n * (n - 1) // 2) * 0.99  # tie-free distances below 1: every pair is an edge
     left, right = np.triu_indices(n, 1)
-    forest = _index_build.ClusterForest([[] for _ in range(n)], [frozenset([i]) for i in range(n)], [0.0] * n, [], False)
+    forest = _index_build.ClusterForest(
+        [[] for _ in range(n)], [frozenset([i]) for i in range(n)], [0.0] * n, [], False
+    )
     _index_build._sparse_average_linkage(forest, left, right, condensed)
     scipy_children, scipy_distances = [[] for _ in range(n)], [0.0] * n
     for a, b, d, _ in linkage(condensed, method="average"):
         scipy_children.append([int(a), int(b)])
         scipy_distances.append(d)
-    assert _merged_leaf_sets(forest.children, forest.distances, n) == _merged_leaf_sets(scipy_children, scipy_distances, n)
+    assert _merged_leaf_sets(forest.children, forest.distances, n) == _merged_leaf_sets(
+        scipy_children, scipy_distances, n
+    )
 
 
 def test_sparse_average_linkage_counts_absent_pairs_at_distance_one() -> None:
@@ -85,7 +101,9 @@ def test_sparse_average_linkage_counts_absent_pairs_at_distance_one() -> None:
     keep = rng.random(left.size) < 0.2  # a sparse graph; every other pair is at distance exactly 1
     square[left[keep], right[keep]] = square[right[keep], left[keep]] = rng.random(int(keep.sum())) * 0.9
     np.fill_diagonal(square, 0.0)
-    forest = _index_build.ClusterForest([[] for _ in range(n)], [frozenset([i]) for i in range(n)], [0.0] * n, [], False)
+    forest = _index_build.ClusterForest(
+        [[] for _ in range(n)], [frozenset([i]) for i in range(n)], [0.0] * n, [], False
+    )
     _index_build._sparse_average_linkage(forest, left[keep], right[keep], square[left[keep], right[keep]])
     scipy_children, scipy_distances = [[] for _ in range(n)], [0.0] * n
     for a, b, d, _ in linkage(squareform(square), method="average"):
@@ -93,4 +111,6 @@ def test_sparse_average_linkage_counts_absent_pairs_at_distance_one() -> None:
             break
         scipy_children.append([int(a), int(b)])
         scipy_distances.append(d)
-    assert _merged_leaf_sets(forest.children, forest.distances, n) == _merged_leaf_sets(scipy_children, scipy_distances, n)
+    assert _merged_leaf_sets(forest.children, forest.distances, n) == _merged_leaf_sets(
+        scipy_children, scipy_distances, n
+    )

@@ -1,4 +1,5 @@
 """Invariants of the context index under any sequence of operations, and bad input."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -26,13 +27,18 @@ operation = st.one_of(
     st.booleans(),
 )
 def test_any_operation_sequence_keeps_integrity(
-    initial: list[list[int]], operations: list[tuple[str, list[int], int]], max_leaves: int | None, sparse: bool
+    initial: list[list[int]],
+    operations: list[tuple[str, list[int], int]],
+    max_leaves: int | None,
+    sparse: bool,
 ) -> None:
     options = BuildOptions(exact_limit=0 if sparse else 2048)
     ids = [f"b{i}" for i in range(len(initial))]
     index = ContextIndex.build(initial, request_ids=ids, max_leaves=max_leaves, options=options)
     index.check_integrity()
-    live = {rid: context for rid, context in zip(ids, initial) if rid in index}  # the cap may drop some at build
+    live = {
+        rid: context for rid, context in zip(ids, initial) if rid in index
+    }  # the cap may drop some at build
     for kind, context, number in operations:
         if kind == "insert" and number not in live:
             result = index.insert(context, number)

@@ -1,4 +1,5 @@
 """The paper's worked examples (docs: ../shared/paper/DIGEST.md) as test vectors."""
+
 from __future__ import annotations
 
 import pytest
@@ -54,14 +55,21 @@ def test_fig5_search_path_of_c6(fig5_index: ContextIndex) -> None:
 
 
 def test_fig6_reorders(fig5_index: ContextIndex) -> None:
-    results = {name: fig5_index.insert(context, name) for name, context in (("C6", C6), ("C7", C7), ("C8", C8))}
+    results = {
+        name: fig5_index.insert(context, name) for name, context in (("C6", C6), ("C7", C7), ("C8", C8))
+    }
     ordered = {}
     for name, context in (("C1", C1), ("C2", C2), ("C3", C3), ("C6", C6), ("C7", C7), ("C8", C8)):
         found = fig5_index.lookup(name)
         assert found is not None
         ordered[name] = reorder(context, found.prefix)
     assert ordered == {
-        "C1": [1, 2, 3], "C2": [1, 2, 6], "C3": [1, 4, 0], "C6": [1, 2, 4], "C7": [5, 7, 8], "C8": [1, 2, 9],
+        "C1": [1, 2, 3],
+        "C2": [1, 2, 6],
+        "C3": [1, 4, 0],
+        "C6": [1, 2, 4],
+        "C7": [5, 7, 8],
+        "C8": [1, 2, 9],
     }
     assert reorder(C6, results["C6"].prefix) == [1, 2, 4]
     assert results["C7"].path == (1,) and results["C7"].prefix == ()
@@ -69,7 +77,10 @@ def test_fig6_reorders(fig5_index: ContextIndex) -> None:
 
 
 def test_fig7_schedule(fig5_index: ContextIndex) -> None:
-    paths = [fig5_index.insert(context, name).path for name, context in (("C6", C6), ("C3b", C3), ("C7", C7), ("C8", C8))]
+    paths = [
+        fig5_index.insert(context, name).path
+        for name, context in (("C6", C6), ("C3b", C3), ("C7", C7), ("C8", C8))
+    ]
     # the baseline order C6, C3, C7, C8 (C3 searched again under a new request id)
     order = schedule(paths)
     assert [("C6", "C3", "C7", "C8")[i] for i in order] == ["C6", "C8", "C3", "C7"]
