@@ -66,16 +66,13 @@ def mode(request: pytest.FixtureRequest) -> str:
 
 @pytest.fixture
 def make_store(backend: Any, mode: str) -> Callable[..., Awaiting]:
-    made: list[Awaiting] = []
+    """A factory of fresh stores of this backend and mode; a test closes what it makes (``aclose``)."""
 
     def make(ttl_s: float = 3600.0) -> Awaiting:
         factory = backend.make_sync if mode == "sync" else backend.make_async
-        store = Awaiting(factory(ttl_s), lambda: factory(ttl_s))
-        made.append(store)
-        return store
+        return Awaiting(factory(ttl_s), lambda: factory(ttl_s))
 
-    yield make
-    # Clients are closed by garbage collection; async clients must be closed on their own loop, in the test.
+    return make
 
 
 @pytest.fixture
