@@ -271,6 +271,8 @@ def _install_routes(app: Any, service: ProxyService, resolve_tenant: _TenantReso
         if asyncio.iscoroutine(removed):  # AsyncCpMemory.evict is synchronous today; accept either
             removed = await removed
         service.metrics.evictions.inc(removed)
+        if service.kv_sync is not None:
+            service.kv_sync.forget(report.request_ids)
         return EvictionResult(evicted=removed)
 
     @app.get("/healthz", response_model=HealthOut, responses={503: {"model": HealthOut}})

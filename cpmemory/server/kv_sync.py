@@ -99,6 +99,12 @@ class KVSyncHub:
             self.failures += 1
             logger.debug("registration of %s failed: %s", request_id, error)
 
+    def forget(self, request_ids: Sequence[str]) -> None:
+        """Stop tracking requests whose leaves were evicted by a report (keeps the sync maps small)."""
+        for state in self._replicas.values():
+            for request_id in request_ids:
+                state.sync.forget(request_id)
+
     def stats(self) -> dict[int, Any]:
         """The sync counters of each synced replica."""
         return {index: state.sync.stats for index, state in self._replicas.items()}

@@ -81,7 +81,7 @@ async def test_real_replicas_affinity_cache_reuse_and_failover() -> None:
     relay = TcpRelay(URLS[1])
     relayed = await relay.start()
     recording = RecordingTransport(HttpxChatTransport())
-    app = create_app(ServerConfig(engines=[URLS[0], relayed], engine_timeout_s=60), transport=recording)
+    app = create_app(ServerConfig(engines=[URLS[0], relayed], engine_timeout_s=300), transport=recording)
     router = app.state.service.dispatcher.router
     client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://proxy", timeout=120)
     # two conversations homed on each replica (rendezvous hashing decides; pick names accordingly)
@@ -91,7 +91,7 @@ async def test_real_replicas_affinity_cache_reuse_and_failover() -> None:
     try:
         for turn in (1, 2):
             infos = [await _run_turn(client, recording, name, turn) for name in chosen]
-            assert [info["replica"] for info in infos] == [homes[name] for name in chosen]
+            assert [info["replica"] for info in infos] == [homes[name] for name in chosen], infos
         main_second_turn = infos[0]
         assert main_second_turn["cached_tokens"] > 0  # the 1 GiB replica kept turn 1's prefix
         await relay.close()  # replica 2 stops answering
