@@ -296,13 +296,14 @@ def assemble(
         clusters, parent = stack.pop()
         prefix, prefix_set = parent.content, parent.content_set
         for child in _flatten(forest, clusters, len(prefix), order, leaves):
+            content = forest.contents[child]  # the aligned content's set: the parent's blocks are all in it
             if child < leaves:
-                node = IndexNode(new_id(), aligned(prefix, leaf_keys[child], prefix_set), leaf=True)
+                keys = aligned(prefix, leaf_keys[child], prefix_set)
+                node = IndexNode(new_id(), keys, leaf=True, content_set=content)
                 node.request_ids = dict.fromkeys(leaf_request_ids[child])
             else:
-                content = forest.contents[child]
-                keys = [key for key in leaf_keys[first_leaf[child]] if key in content]
-                node = IndexNode(new_id(), aligned(prefix, keys, prefix_set), leaf=False)
+                rest = [key for key in leaf_keys[first_leaf[child]] if key in content and key not in prefix_set]
+                node = IndexNode(new_id(), (*prefix, *rest), leaf=False, content_set=content)
                 node.child_index = None  # deferred to the first search through this node
                 node.merge_distance = forest.distances[child]
                 stack.append((forest.children[child], node))

@@ -47,10 +47,17 @@ class IndexNode:
         "slot",
     )
 
-    def __init__(self, node_id: int, content: tuple[Hashable, ...], *, leaf: bool) -> None:
+    def __init__(
+        self,
+        node_id: int,
+        content: tuple[Hashable, ...],
+        *,
+        leaf: bool,
+        content_set: frozenset[Hashable] | None = None,
+    ) -> None:
         self.node_id = node_id
         self.content = content
-        self.content_set = frozenset(content)
+        self.content_set = frozenset(content) if content_set is None else content_set
         self.parent: IndexNode | None = None
         self.slot = -1
         self.children: dict[int, IndexNode] = {}
