@@ -26,6 +26,18 @@ from pathlib import Path
 from typing import Any
 
 FULL = {"new", "changed", "resent", "partial", "passthrough"}
+TOTAL_KEYS = (
+    "questions",
+    "memories",
+    "full",
+    "referenced",
+    "memory_tokens_full",
+    "memory_tokens_referenced",
+    "prompt_cpmemory",
+    "prefill_cpmemory",
+    "prompt_mem0",
+    "prefill_mem0",
+)
 SYSTEM_PROMPT = "You answer questions about a long conversation using the memories provided."
 
 
@@ -125,9 +137,56 @@ def plain_mem0_prompt(
     ]
 
 
+def memory_row(found: list[dict[str, Any]]) -> dict[str, int]:
+    """How many memories (and their tokens) went in full and by reference in one turn."""
+    from cpmemory.bench.tokenizer import count_tokens
+
+    full = [item for item in found if item["cpmemory"]["status"] in FULL]
+    referenced = [item for item in found if item["cpmemory"]["status"] == "referenced"]
+    return {
+        "memories": len(found),
+        "full": len(full),
+        "referenced": len(referenced),
+        "memory_tokens_full": sum(count_tokens(item["memory"]) for item in full),
+        "memory_tokens_referenced": sum(count_tokens(item["memory"]) for item in referenced),
+    }
+
+
+def prefill_row(prompts: dict[str, list[dict[str, str]]], engines: dict[str, Any]) -> dict[str, int]:
+    """Prompt tokens and the tokens each simulated engine must compute (its cached prefix excluded)."""
+    from cpmemory.bench.tokenizer import tokenize_chat
+
+    row = {}
+    for name, prompt in prompts.items():
+        tokens = tokenize_chat(prompt)
+        row[f"prompt_{name}"] = len(tokens)
+        row[f"prefill_{name}"] = len(tokens) - engines[name].run(tokens)
+    return row
+
+
+def ask(memory: Any, qa: dict[str, Any], user_id: str, top_k: int, state: dict[str, Any]) -> dict[str, int]:
+    """One question as one chat turn: search, build the prompt, commit the gold answer. Returns its figures."""
+    found = memory.search(
+        qa["question"], user_id=user_id, top_k=top_k, threshold=0.0, conversation_id=user_id
+    )
+    found = found["results"]
+    in_mem0_order = sorted(found, key=lambda item: item["cpmemory"]["original_rank"])
+    prompts = {
+        "cpmemory": memory.chat_messages(user_id),
+        "mem0": plain_mem0_prompt(in_mem0_order, qa["question"], state["history"]),
+    }
+    row = {**memory_row(found), **prefill_row(prompts, state["engines"])}
+    answer = str(qa.get("answer", qa.get("adversarial_answer", "")))
+    memory.commit(answer, conversation_id=user_id)
+    state["history"] += [
+        {"role": "user", "content": qa["question"]},
+        {"role": "assistant", "content": answer},
+    ]
+    return row
+
+
 def replay(args: argparse.Namespace, home: Path) -> dict[str, Any]:
     """Run the replay; print the per-question table; return the totals."""
-    from cpmemory.bench.tokenizer import count_tokens, tokenize_chat
     from cpmemory.engines.simulator import PrefixCacheSimulator
     from cpmemory.facade import CpMemory
     from integrations.mem0 import CpMemoryMem0
@@ -137,56 +196,22 @@ def replay(args: argparse.Namespace, home: Path) -> dict[str, Any]:
     started = time.perf_counter()
     memory = CpMemoryMem0(build_memory(home, args.embedder), CpMemory(), system_prompt=SYSTEM_PROMPT)
     added = add_dialog(memory, sample, user_id, args.sessions)
+    elapsed = time.perf_counter() - started
     print(
-        f"added {added} dialog turns of {sample['sample_id']} to Mem0 in {time.perf_counter() - started:.1f}s "
-        f"(embedder: {args.embedder})",
+        f"added {added} dialog turns of {sample['sample_id']} to Mem0 in {elapsed:.1f}s ({args.embedder})",
         file=sys.stderr,
     )
-    questions = sample["qa"][: args.questions or None]
-    engines = {"cpmemory": PrefixCacheSimulator(10**9), "mem0": PrefixCacheSimulator(10**9)}
-    totals = {
-        "questions": 0,
-        "memories": 0,
-        "full": 0,
-        "referenced": 0,
-        "memory_tokens_full": 0,
-        "memory_tokens_referenced": 0,
-        "prefill_cpmemory": 0,
-        "prefill_mem0": 0,
-        "prompt_cpmemory": 0,
-        "prompt_mem0": 0,
+    state = {
+        "history": [],
+        "engines": {"cpmemory": PrefixCacheSimulator(10**9), "mem0": PrefixCacheSimulator(10**9)},
     }
-    history: list[dict[str, str]] = []
+    totals: dict[str, Any] = dict.fromkeys(TOTAL_KEYS, 0)
     print(
         f"{'q':>3} {'mem':>4} {'full':>4} {'ref':>4} {'tok full':>8} {'tok ref':>8} "
         f"{'prefill cpm':>11} {'prefill mem0':>12}  question"
     )
-    for number, qa in enumerate(questions, start=1):
-        found = memory.search(
-            qa["question"], user_id=user_id, top_k=args.top_k, threshold=0.0, conversation_id=user_id
-        )["results"]
-        full = [item for item in found if item["cpmemory"]["status"] in FULL]
-        referenced = [item for item in found if item["cpmemory"]["status"] == "referenced"]
-        row = {
-            "memories": len(found),
-            "full": len(full),
-            "referenced": len(referenced),
-            "memory_tokens_full": sum(count_tokens(item["memory"]) for item in full),
-            "memory_tokens_referenced": sum(count_tokens(item["memory"]) for item in referenced),
-        }
-        prompts = {
-            "cpmemory": memory.chat_messages(user_id),
-            "mem0": plain_mem0_prompt(
-                sorted(found, key=lambda i: i["cpmemory"]["original_rank"]), qa["question"], history
-            ),
-        }
-        for name, prompt in prompts.items():
-            tokens = tokenize_chat(prompt)
-            row[f"prompt_{name}"] = len(tokens)
-            row[f"prefill_{name}"] = len(tokens) - engines[name].run(tokens)
-        answer = str(qa.get("answer", qa.get("adversarial_answer", "")))
-        memory.commit(answer, conversation_id=user_id)
-        history += [{"role": "user", "content": qa["question"]}, {"role": "assistant", "content": answer}]
+    for number, qa in enumerate(sample["qa"][: args.questions or None], start=1):
+        row = ask(memory, qa, user_id, args.top_k, state)
         for key, value in row.items():
             totals[key] += value
         totals["questions"] += 1
