@@ -1,0 +1,43 @@
+"""``cpmemory bench store``: the JSON contract of its output, on a tiny workload."""
+from __future__ import annotations
+
+import json
+from itertools import pairwise
+
+import pytest
+from typer.testing import CliRunner
+
+from cpmemory.bench.store_bench import make_workload
+from cpmemory.cli import app
+
+ROW_KEYS = {"backend", "conversations", "turns", "round_trips_per_prepare", "round_trips_per_commit",
+            "prepare_p50_ms", "prepare_p99_ms", "commit_p50_ms", "turns_per_second"}
+
+
+def test_workload_overlaps_across_turns_and_is_deterministic() -> None:
+    workload = make_workload(conversations=4, turns=5, seed=3)
+    assert workload.turns == make_workload(conversations=4, turns=5, seed=3).turns
+    for conversation in workload.turns:
+        assert all(len(turn) == 15 and len({b.id for b in turn}) == 15 for turn in conversation)
+        repeated = sum(len({b.id for b in a} & {b.id for b in c}) for a, c in pairwise(conversation))
+        assert repeated >= 4 * 5  # about half of each turn was already retrieved in the previous one
+
+
+@pytest.mark.redis
+@pytest.mark.cluster
+def test_bench_store_json_rows(real_redis: str) -> None:
+    result = CliRunner().invoke(app, ["bench", "store", "--conversations", "3", "--turns", "2",
+                                      "--facade-conversations", "1", "--redis-url", real_redis, "--json"])
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.stdout.strip().splitlines()[-1])
+    rows = summary["results"]
+    assert set(rows) == {"memory", "redis", "cluster"}
+    for name, row in rows.items():
+        if "skipped" in row:
+            assert name == "cluster"
+            continue
+        assert ROW_KEYS <= set(row) and row["backend"] == name
+        assert (row["conversations"], row["turns"]) == (3, 2)
+        assert row["prepare_p50_ms"] > 0 and row["turns_per_second"] > 0
+    assert rows["memory"]["round_trips_per_prepare"] == 0
+    assert (rows["redis"]["round_trips_per_prepare"], rows["redis"]["round_trips_per_commit"]) == (1.0, 1.0)
