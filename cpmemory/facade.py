@@ -45,7 +45,7 @@ from cpmemory.session.turns import (
     reserve_request,
     turn_counts,
 )
-from cpmemory.stores.base import AsyncSessionStore, ConversationKey, SessionStore
+from cpmemory.stores.base import AsyncSessionStore, ConversationKey, ConversationState, SessionStore
 from cpmemory.stores.memory import AsyncInMemorySessionStore, InMemorySessionStore
 
 logger = logging.getLogger(__name__)
@@ -326,6 +326,16 @@ class CpMemory(_FacadeCore):
         self._after_abort(turn, released)
         return released
 
+    def state(self, conversation_id: str, *, tenant: str = "default") -> ConversationState:
+        """Return the stored state of one conversation (for inspection and tools; not on the hot path)."""
+        return self.store.load(ConversationKey(tenant, conversation_id))
+
+    def forget(self, conversation_id: str, *, tenant: str = "default") -> None:
+        """Delete one conversation's stored state (its open turns become unknown)."""
+        key = ConversationKey(tenant, conversation_id)
+        self.store.delete(key)
+        self._segments.forget(key)
+
 
 class AsyncCpMemory(_FacadeCore):
     """Context reuse for asyncio applications: the same API as CpMemory, awaited.
@@ -401,3 +411,13 @@ class AsyncCpMemory(_FacadeCore):
             released = False
         self._after_abort(turn, released)
         return released
+
+    async def state(self, conversation_id: str, *, tenant: str = "default") -> ConversationState:
+        """See :meth:`CpMemory.state`."""
+        return await self.store.load(ConversationKey(tenant, conversation_id))
+
+    async def forget(self, conversation_id: str, *, tenant: str = "default") -> None:
+        """See :meth:`CpMemory.forget`."""
+        key = ConversationKey(tenant, conversation_id)
+        await self.store.delete(key)
+        self._segments.forget(key)

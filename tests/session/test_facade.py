@@ -336,3 +336,12 @@ def test_commit_records_the_message_as_sent_even_if_the_caller_mutates_messages(
     mem.commit(turn, "a")
     transcript = mem.store.load(turn.key).transcript
     assert [m["content"] for m in transcript] == [sent, "a"]
+
+
+def test_state_and_forget() -> None:
+    mem = CpMemory()
+    run_turn(mem, "c", (1, 2))
+    assert mem.state("c").turns == 1 and mem.state("other").turns == 0
+    mem.forget("c")
+    assert mem.state("c").turns == 0
+    assert {d.status for d in mem.prepare("c", "q", blocks(1, 2)).decisions} == {"new"}
