@@ -41,6 +41,9 @@ class ChainOfAgentsConfig(BaseModel):
     worker_max_tokens: int = Field(default=256, ge=1)
     manager_max_tokens: int = Field(default=512, ge=1)
     temperature: float = Field(default=0.0, ge=0.0)
+    affinity: Literal["job", "call"] = Field(
+        default="job", description="'job': every call of a job goes to one replica; 'call': each call is routed on "
+        "its own (the baseline without agent-aware routing, for benchmarks)")
 
 
 @dataclass(frozen=True, slots=True)
@@ -192,6 +195,8 @@ class ChainOfAgents:
         max_tokens: int,
     ) -> AgentCall:
         request_id = _request_id(job_id, role, index)
+        if self.config.affinity == "call":
+            key = f"{key}|{request_id}"
         payload = {
             "model": self.config.model,
             "messages": [{"role": "system", "content": system}, {"role": "user", "content": user}],
