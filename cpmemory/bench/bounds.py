@@ -24,6 +24,7 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
+from itertools import pairwise
 
 import numpy as np
 from scipy.sparse import coo_matrix
@@ -79,7 +80,7 @@ def _seam_slack(contents: Sequence[RequestContent]) -> np.ndarray:
             distinct.setdefault(segment.key, segment.tokens)
     keys = sorted(distinct, key=lambda key: distinct[key])
     best: dict[Hashable, int] = dict.fromkeys(keys, 0)
-    for left, right in zip(keys, keys[1:]):
+    for left, right in pairwise(keys):
         a, b = distinct[left], distinct[right]
         length = 0
         for x, y in zip(a, b):
@@ -165,7 +166,7 @@ def mst_reusable_tokens(contents: Sequence[RequestContent]) -> int:
         return 0
     graph = _overlap_graph(contents)
     forest = minimum_spanning_tree(-graph.tocsr()) if graph.nnz else None
-    shared = int(round(-forest.sum())) if forest is not None else 0
+    shared = round(-forest.sum()) if forest is not None else 0
     return shared + _frames_and_seams(contents)
 
 

@@ -257,7 +257,7 @@ def load_synthetic(*, requests: int = 2000, blocks_per_request: int = 15, corpus
 def _draw_blocks(rng: np.random.Generator, popularity: np.ndarray, count: int, earlier: list[str],
                  repeat_fraction: float) -> list[str]:
     unique_earlier = list(dict.fromkeys(earlier))
-    repeats = min(len(unique_earlier), int(round(count * repeat_fraction))) if unique_earlier else 0
+    repeats = min(len(unique_earlier), round(count * repeat_fraction)) if unique_earlier else 0
     chosen = [unique_earlier[i] for i in rng.choice(len(unique_earlier), size=repeats, replace=False)] if repeats else []
     while len(chosen) < count:
         for i in rng.choice(len(popularity), size=count, replace=False, p=popularity):

@@ -36,6 +36,7 @@ from cpmemory.errors import CpMemoryError, InvalidInputError
 _ANNOTATION_LINE = re.compile(
     r"^(?:\[D[0-9a-f]{7,32}\]" + re.escape(annotations.REFERENCE_SUFFIX) + r"|" + re.escape(annotations.ORDER_PREFIX)
     + r".*|\(Rest of \[D[0-9a-f]{7,32}\].*)$", re.MULTILINE)
+_SECTION_START = re.compile(r"(?=\n\[)")
 Progress = Callable[[int], None]
 
 
@@ -43,6 +44,37 @@ def _tokenizer():
     from cpmemory.bench import tokenizer
 
     return tokenizer
+
+
+def message_tokens(text: str) -> list[int]:
+    """Token ids of ``text``, equal to ``tokenize(text)``, memoised per block section.
+
+    The text is cut before every ``"\\n["`` (a block header or labelled line starts there). The tokenizer never
+    makes a piece across that point (a newline followed by ``[`` ends a whitespace piece; ``[`` starts a
+    punctuation piece), so the pieces are the same, and each section (a block as rendered) is tokenized once for
+    the whole replay instead of once per prompt. ``tests/bench/test_replay.py`` checks the equality.
+    """
+    tokenize_cached = _tokenizer().tokenize_cached
+    tokens: list[int] = []
+    for part in _SECTION_START.split(text):
+        tokens.extend(tokenize_cached(part))
+    return tokens
+
+
+def count_message_tokens(text: str) -> int:
+    """``len(tokenize(text))`` through :func:`message_tokens`' memoised sections."""
+    tokenize_cached = _tokenizer().tokenize_cached
+    return sum(len(tokenize_cached(part)) for part in _SECTION_START.split(text))
+
+
+def chat_tokens(messages: Sequence[dict[str, str]]) -> list[int]:
+    """Token ids of the rendered chat prompt, equal to ``tokenizer.tokenize_chat(messages)``."""
+    tok = _tokenizer()
+    tokens: list[int] = []
+    for message in messages:
+        tokens.extend(message_tokens(f"{tok.CHAT_START}{message['role']}\n{message['content']}{tok.CHAT_END}\n"))
+    tokens.extend(tok.tokenize_cached(f"{tok.CHAT_START}assistant\n"))
+    return tokens
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,7 +159,7 @@ class FacadePromptBuilder:
                                    prompt_order=[prepared.blocks[i].id for i in order])
         self.memory.commit(turn, answer_of(request))
         user = turn.messages[-1]["content"]
-        count = _tokenizer().count_tokens
+        count = count_message_tokens
         plain = plain_user_message(prepared.blocks, order, request.query)
         added = annotation_tokens(user)
         saved = (count(plain) - annotation_tokens(plain)) - (count(user) - added)
@@ -248,7 +280,7 @@ def original_contents(trace: Trace, prepared: Sequence[PreparedRequest], system_
                for key, block in zip(item.keys, item.blocks)]
         own.append(bounds.Segment(("query", request.query), tok.tokenize_cached(annotations.format_question(request.query))))
         segments = tuple(history[request.session]) + tuple(own)
-        contents.append(bounds.RequestContent(segments, len(tok.tokenize_chat(messages))))
+        contents.append(bounds.RequestContent(segments, len(chat_tokens(messages))))
         prompts.append(messages)
         if trace.multi_turn:
             answer = answer_of(request)
@@ -277,7 +309,7 @@ def resolve_capacity(capacity: str | int, unique: int) -> int:
             value = float(text[:-1])
             if value < 0:
                 raise ValueError(text)
-            return int(round(unique * value / 100.0))
+            return round(unique * value / 100.0)
         value = int(text)
         if value < 0:
             raise ValueError(text)
@@ -313,7 +345,6 @@ def run_strategy(name: str, plan: StrategyPlan, trace: Trace, prepared: Sequence
     from cpmemory.core.invariants import check_no_loss
     from cpmemory.engines.simulator import PrefixCacheSimulator
 
-    tok = _tokenizer()
     system_prompt = _system_prompt(settings)
     builder_type = FacadePromptBuilder if name == "cpmemory" else PlainPromptBuilder
     builder = builder_type(system_prompt, trace.multi_turn)
@@ -333,7 +364,7 @@ def run_strategy(name: str, plan: StrategyPlan, trace: Trace, prepared: Sequence
         result.overhead_ms.append((time.perf_counter() - started) * 1000.0 + amortized_ms)
         report = check_no_loss(list(item.blocks), built["messages"])
         result.violations.extend(f"request {index}: {v}" for v in report.violations)
-        tokens = tok.tokenize_chat(built["messages"])
+        tokens = chat_tokens(built["messages"])
         cached = simulator.run(tokens)
         result.prompt_tokens += len(tokens)
         result.cached_tokens += cached

@@ -4,6 +4,7 @@ from __future__ import annotations
 import contextlib
 import json
 from collections.abc import Callable, Iterator, Sequence
+from itertools import pairwise
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -76,7 +77,7 @@ def windowed_hit_rate(cached: Sequence[int], prompt: Sequence[int], windows: int
     cached_array, prompt_array = np.asarray(cached, float), np.asarray(prompt, float)
     edges = np.unique(np.linspace(0, len(cached_array), min(windows, len(cached_array)) + 1).astype(int))
     x, y = [], []
-    for start, end in zip(edges[:-1], edges[1:]):
+    for start, end in pairwise(edges):
         total = prompt_array[start:end].sum()
         x.append(end)
         y.append(cached_array[start:end].sum() / total if total else 0.0)

@@ -225,5 +225,4 @@ def write_trace(trace: Trace, path: str | Path) -> None:
     """Write ``trace`` as JSON Lines with a ``_meta`` first line. Overwrites ``path``."""
     with Path(path).open("w", encoding="utf-8") as handle:
         handle.write(json.dumps({META_KEY: {"name": trace.name, "multi_turn": trace.multi_turn}}) + "\n")
-        for request in trace.requests:
-            handle.write(json.dumps(request_to_json(request), ensure_ascii=False) + "\n")
+        handle.writelines(json.dumps(request_to_json(request), ensure_ascii=False) + "\n" for request in trace.requests)

@@ -8,12 +8,12 @@ import pytest
 
 from cpmemory.bench.loaders import (
     STAND_IN_TOKENS,
-    _pseudo_text,
     WorkloadDataError,
+    _pseudo_text,
     interleave,
     load_locomo,
-    load_multihop,
     load_mt_rag,
+    load_multihop,
     load_synthetic,
     load_workload,
 )

@@ -4,11 +4,14 @@ from __future__ import annotations
 import json
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from cpmemory.bench.demo import run_demo
 from cpmemory.bench.loaders import load_synthetic
-from cpmemory.bench.replay import ReplaySettings, resolve_capacity, run_replay
+from cpmemory.bench.replay import ReplaySettings, chat_tokens, message_tokens, resolve_capacity, run_replay
+from cpmemory.bench.tokenizer import tokenize, tokenize_chat
 from cpmemory.bench.trace import write_trace
 from cpmemory.cli import app
 from cpmemory.errors import InvalidInputError
@@ -105,3 +108,12 @@ def test_demo_is_seeded_and_lossless():
     assert first["seed"] == 1 and first["requests"] == 96
     assert first["strategies"]["cpmemory"]["prefill_tokens"] < first["strategies"]["original"]["prefill_tokens"]
     assert first["strategies"]["cpmemory"]["dedup_tokens_saved"] > 0
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.text(st.sampled_from("ab [\n]D1x,.'s_é\t"), max_size=30), min_size=1, max_size=6))
+def test_sectioned_tokenization_equals_the_tokenizer(parts):
+    text = "\n".join(parts)
+    assert message_tokens(text) == tokenize(text)
+    messages = [{"role": "system", "content": parts[0]}, {"role": "user", "content": text}]
+    assert chat_tokens(messages) == tokenize_chat(messages)
