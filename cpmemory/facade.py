@@ -19,6 +19,7 @@ pass-through: relevance order, every block in full, nothing reserved; it is logg
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import threading
@@ -124,7 +125,10 @@ class _FacadeCore:
         now = time.monotonic()
         horizon = now - 2 * self.config.reservation_timeout_s  # past the store's deadline: it says "expired"
         with self._pending_lock:
-            self._pending[turn.reservation_id] = (now, turn)
+            self._pending[turn.reservation_id] = (
+                now,
+                dataclasses.replace(turn, messages=[]),
+            )  # commit needs no history
             while self._pending and (
                 len(self._pending) > self.config.max_pending_turns
                 or next(iter(self._pending.values()))[0] < horizon

@@ -36,5 +36,5 @@ class CpMemoryConfig(BaseModel):
     partial_overlap_threshold: float = Field(0.5, gt=0.0, le=1.0)
     max_leaves_per_tenant: int = Field(100_000, ge=1)
     annotate_order: bool = True
-    max_pending_turns: int = Field(100_000, ge=1)
+    max_pending_turns: int = Field(10_000, ge=1)
     chars_per_token: float = Field(4.0, gt=0.0)
