@@ -15,7 +15,15 @@ from cpmemory.errors import MissingDependencyError
 if importlib.util.find_spec("mem0") is None:
     raise MissingDependencyError("mem0", "mem0ai")
 
+from integrations._common import PassthroughWarning
 from integrations.mem0.results import ParsedResults, parse_search_results
 from integrations.mem0.wrapper import AsyncCpMemoryMem0, CpMemoryMem0, PassthroughTurn
 
-__all__ = ["AsyncCpMemoryMem0", "CpMemoryMem0", "ParsedResults", "PassthroughTurn", "parse_search_results"]
+__all__ = [
+    "AsyncCpMemoryMem0",
+    "CpMemoryMem0",
+    "ParsedResults",
+    "PassthroughTurn",
+    "PassthroughWarning",
+    "parse_search_results",
+]
