@@ -247,3 +247,17 @@ def test_every_key_gets_the_ttl(ttl_s: float) -> None:
     assert client.exists(*names) == len(names)  # state, log, paths, res (one open), done
     for name in names:  # no key is ever left without the conversation's expiry
         assert client.pttl(name) == (-1 if ttl_s == 0 else pytest.approx(600_000, abs=5_000))
+
+
+@pytest.mark.redis
+def test_large_turns_are_chunked_inside_the_scripts(real_redis: str, run_prefix: str) -> None:
+    store = RedisSessionStore.from_url(real_redis, RedisStoreConfig(prefix=run_prefix, socket_timeout_s=10.0))
+    key = ConversationKey("tenant", "large")
+    pairs = tuple((f"block-{i}", content_hash(f"text {i}")) for i in range(6000))  # > Lua's unpack limit
+    reservation = store.reserve(key, ReserveRequest(blocks=pairs))
+    assert store.commit(key, reservation.reservation_id, _record(pairs)) == 1
+    again = store.reserve(key, ReserveRequest(blocks=pairs, include_transcript=False))
+    assert len(again.seen) == 6000 and len(again.previous_hash_for_id) == 6000
+    assert again.seen[pairs[-1][1]] == SeenBlock("block-5999", pairs[-1][1], label_for_hash(pairs[-1][1]), 1)
+    store.delete(key)
+    store.close()

@@ -29,17 +29,22 @@ if tonumber(deadline) < now then
 end
 
 local turn = redis.call('HINCRBY', KEYS[1], 'turns', 1)
-redis.call('HSET', KEYS[1], 'tenant', ARGV[3], 'conversation', ARGV[4], 'path', ARGV[5])
 local m = tonumber(ARGV[6])
 if m > 0 then
   redis.call('RPUSH', KEYS[2], unpack(ARGV, 7, 6 + m))
 end
-local s = tonumber(ARGV[7 + m])
+local fields = {'tenant', ARGV[3], 'conversation', ARGV[4], 'path', ARGV[5]}
 local base = 7 + m
-for i = 0, s - 1 do
+for i = 0, tonumber(ARGV[base]) - 1 do
   local at = base + 3 * i
   local hash_field = ARGV[at + 1]
-  redis.call('HSET', KEYS[1], hash_field, turn .. ':' .. ARGV[at + 2], ARGV[at + 3], string.sub(hash_field, 3))
+  fields[#fields + 1] = hash_field
+  fields[#fields + 1] = turn .. ':' .. ARGV[at + 2]
+  fields[#fields + 1] = ARGV[at + 3]
+  fields[#fields + 1] = string.sub(hash_field, 3)
+end
+for start = 1, #fields, 1000 do  -- one HSET per 500 fields (unpack takes a few thousand values at most)
+  redis.call('HSET', KEYS[1], unpack(fields, start, math.min(start + 999, #fields)))
 end
 redis.call('RPUSH', KEYS[3], ARGV[5])
 redis.call('ZREM', KEYS[4], id)
