@@ -345,3 +345,28 @@ def test_state_and_forget() -> None:
     mem.forget("c")
     assert mem.state("c").turns == 0
     assert {d.status for d in mem.prepare("c", "q", blocks(1, 2)).decisions} == {"new"}
+
+
+async def test_async_store_outage_degrades_and_recovers() -> None:
+    from cpmemory import AsyncCpMemory
+    from cpmemory.stores.memory import AsyncInMemorySessionStore
+
+    class BrokenAsyncStore(AsyncInMemorySessionStore):
+        up = False
+
+        async def reserve(self, key, request):  # type: ignore[override]
+            if not self.up:
+                raise OSError("network unreachable")
+            return await super().reserve(key, request)
+
+    store = BrokenAsyncStore()
+    mem = AsyncCpMemory(store=store)
+    degraded = await mem.prepare("c", "q", blocks(3, 1))
+    assert degraded.degraded and await mem.commit(degraded, "a") == 0 and not await mem.abort(degraded)
+    assert check_no_loss(blocks(3, 1), degraded.messages).ok
+    store.up = True
+    turn = await mem.prepare("c", "q", blocks(3, 1))
+    assert not turn.degraded and await mem.commit(turn, "a") == 1
+    again = await mem.prepare("c", "q", blocks(3, 1))
+    assert {d.status for d in again.decisions} == {"referenced"}
+    assert mem.counters.snapshot()["fallbacks"] == 1
