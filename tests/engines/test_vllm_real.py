@@ -186,3 +186,19 @@ def test_reset_prefix_cache_clears_the_index(live):
     client.chat(unique_messages(), max_tokens=1)  # events are published per engine step: run one
     assert tee.wait_for(lambda: sync.stats.resets > resets), "no AllBlocksCleared"
     assert memory.index_size() == 0 and sync.tracked_requests() == 0
+
+
+async def test_async_client_streams_and_reads_cached_tokens():
+    url, _kv = server(*MAIN)
+    from cpmemory.engines.client import AsyncEngineClient
+
+    messages = [{"role": "system", "content": text_of(4242, 300)}, {"role": "user", "content": uuid.uuid4().hex}]
+    async with AsyncEngineClient(EngineSettings(base_url=url, timeout_s=120)) as client:
+        assert await client.health()
+        first = await client.chat(messages, max_tokens=2, stream=True, request_id=f"async-{uuid.uuid4().hex}")
+        second = await client.chat(messages, max_tokens=2, stream=True)
+        tokens = await client.tokenize(messages)
+    assert first.prompt_tokens == second.prompt_tokens == len(tokens)
+    assert first.response_id == f"chatcmpl-{first.request_id}"
+    assert second.cached_tokens == (len(tokens) - 1) // 128 * 128 > 0
+    assert first.ttft_s is not None and second.ttft_s is not None
