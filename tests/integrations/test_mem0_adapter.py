@@ -229,3 +229,20 @@ def test_default_facade_is_built_when_none_given(mem0_memory: Any) -> None:
         wrapper = CpMemoryMem0(mem0_memory)
         assert isinstance(wrapper.cpmemory, CpMemory)
         assert isinstance(AsyncCpMemoryMem0(mem0_memory).cpmemory, AsyncCpMemory)
+
+
+class AsyncHostedClientStub(HostedClientStub):
+    """Stands in for mem0's hosted ``AsyncMemoryClient``."""
+
+    async def search(self, query: str, **kwargs: Any) -> Any:  # type: ignore[override]
+        return HostedClientStub.search(self, query, **kwargs)
+
+
+async def test_async_hosted_client_bare_list() -> None:
+    client = AsyncHostedClientStub(HOSTED_ITEMS, bare_list=True)
+    wrapper = AsyncCpMemoryMem0(client, AsyncCpMemory())
+    first = await wrapper.search("food", user_id="alex", conversation_id="trip")
+    assert isinstance(first, list) and {item["cpmemory"]["status"] for item in first} == {"new"}
+    assert await wrapper.commit("noted", conversation_id="trip") == 1
+    second = await wrapper.search("food", user_id="alex", conversation_id="trip")
+    assert {item["cpmemory"]["status"] for item in second} == {"referenced"}
