@@ -52,6 +52,8 @@ class EngineSettings(BaseModel):
     timeout_s: float = Field(120.0, gt=0, description="read timeout of one request")
     connect_timeout_s: float = Field(5.0, gt=0)
     api_key: str | None = None
+    request_id_fields: tuple[str, ...] = Field(
+        ("request_id",), description='body fields carrying the request id: ("request_id",) for vLLM, ("rid",) for SGLang')
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,10 +92,12 @@ class CacheConfig:
 
 # -- sans-IO: requests ---------------------------------------------------------------------------------------
 def chat_body(messages: Sequence[Message], *, model: str, request_id: str, stream: bool, max_tokens: int | None,
-              cache_salt: str | None = None, extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
+              cache_salt: str | None = None, extra: Mapping[str, Any] | None = None,
+              id_fields: Sequence[str] = ("request_id",)) -> dict[str, Any]:
     """The JSON body of a chat completion. ``extra`` fields are added last (temperature, vllm_xargs, ...)."""
-    body: dict[str, Any] = {"model": model, "messages": [dict(message) for message in messages],
-                            "request_id": request_id, "stream": stream}
+    body: dict[str, Any] = {"model": model, "messages": [dict(message) for message in messages], "stream": stream}
+    for field_name in id_fields:
+        body[field_name] = request_id
     if max_tokens is not None:
         body["max_tokens"] = max_tokens
     if stream:
@@ -336,7 +340,8 @@ class EngineClient:
         """
         request_id = request_id or _new_request_id()
         body = chat_body(messages, model=self.settings.model, request_id=request_id, stream=stream,
-                         max_tokens=max_tokens, cache_salt=cache_salt, extra=extra)
+                         max_tokens=max_tokens, cache_salt=cache_salt, extra=extra,
+                         id_fields=self.settings.request_id_fields)
         headers = request_headers(request_id, self.settings.api_key)
         if stream:
             return self._chat_stream(body, headers, request_id)
@@ -434,7 +439,8 @@ class AsyncEngineClient:
         """Run one chat completion; see :meth:`EngineClient.chat`."""
         request_id = request_id or _new_request_id()
         body = chat_body(messages, model=self.settings.model, request_id=request_id, stream=stream,
-                         max_tokens=max_tokens, cache_salt=cache_salt, extra=extra)
+                         max_tokens=max_tokens, cache_salt=cache_salt, extra=extra,
+                         id_fields=self.settings.request_id_fields)
         headers = request_headers(request_id, self.settings.api_key)
         if stream:
             return await self._chat_stream(body, headers, request_id)

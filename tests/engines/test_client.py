@@ -175,3 +175,12 @@ def test_metrics_parsing_of_vllm_text():
     assert metric_total(samples, "absent") is None
     config = parse_cache_config(text)
     assert (config.block_size, config.hash_algorithm, config.num_blocks) == (128, "sha256_cbor", None)
+
+
+def test_sglang_style_request_id_field(engine):
+    settings = EngineSettings(base_url="http://mock", request_id_fields=("rid",))
+    with EngineClient(settings, transport=engine.transport()) as client:
+        client.chat(messages("q"), request_id="sg-1")
+    body = engine.requests[-1]["body"]
+    assert body["rid"] == "sg-1" and "request_id" not in body
+    assert engine.requests[-1]["request_id"] == "sg-1"  # the X-Request-Id header
