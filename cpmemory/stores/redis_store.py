@@ -252,11 +252,13 @@ class RedisSessionCodec:
 
 
 def _redis_errors() -> tuple[type[BaseException], ...]:
+    """Errors that mean "the store is unavailable": every redis-py error (RedisClusterException is not a
+    RedisError), socket errors and timeouts."""
     try:
-        from redis.exceptions import RedisError
+        from redis.exceptions import RedisClusterException, RedisError
     except ImportError as error:  # pragma: no cover - depends on the environment
         raise MissingDependencyError("redis", "redis") from error
-    return (RedisError, OSError, TimeoutError)
+    return (RedisError, RedisClusterException, OSError, TimeoutError)
 
 
 @contextmanager
@@ -381,7 +383,10 @@ class RedisSessionStore(_RedisStoreBase):
         except ImportError as error:  # pragma: no cover - depends on the environment
             raise MissingDependencyError("redis", "redis") from error
         factory = RedisCluster.from_url if cluster else redis.Redis.from_url
-        return cls(factory(url, **config.client_kwargs()), config)
+        # redis-py's RedisCluster connects in its constructor (to discover the slots).
+        with _unavailable_on_failure(_redis_errors(), "connect"):
+            client = factory(url, **config.client_kwargs())
+        return cls(client, config)
 
     def __init__(self, client: Any, config: RedisStoreConfig | None = None, *, direct: bool = True) -> None:
         super().__init__(client, config)

@@ -50,6 +50,18 @@ def test_unreachable_redis_raises_store_unavailable() -> None:
         store.delete(key)
 
 
+def test_unreachable_cluster_raises_store_unavailable() -> None:
+    with pytest.raises(StoreUnavailableError):  # redis-py's cluster client connects in its constructor
+        RedisSessionStore.from_url(f"redis://127.0.0.1:{spare_port()}/0", FAST_FAIL, cluster=True)
+
+
+async def test_unreachable_cluster_raises_store_unavailable_async() -> None:
+    store = AsyncRedisSessionStore.from_url(f"redis://127.0.0.1:{spare_port()}/0", FAST_FAIL, cluster=True)
+    with pytest.raises(StoreUnavailableError):
+        await store.reserve(ConversationKey("t", "c"), ReserveRequest(blocks=_pairs("a")))
+    await store.close()
+
+
 async def test_unreachable_redis_raises_store_unavailable_async() -> None:
     store = AsyncRedisSessionStore.from_url(f"redis://127.0.0.1:{spare_port()}/0", FAST_FAIL)
     with pytest.raises(StoreUnavailableError):
