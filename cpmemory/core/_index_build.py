@@ -157,7 +157,8 @@ def _nearest(
     both_from = np.concatenate([left, right])
     both_dist = np.concatenate([dist, dist])
     edge = np.concatenate([np.arange(left.size), np.arange(left.size)])
-    order = np.lexsort((edge, both_dist, both_from))
+    order = np.argsort(both_dist, kind="stable")  # nearest first, ties by edge order (stable sorts) ...
+    order = order[np.argsort(both_from[order], kind="stable")]  # ... within each context
     starts = np.searchsorted(both_from[order], np.arange(n))
     rank = np.arange(order.size) - starts[both_from[order]]
     selected = np.zeros(left.size, dtype=bool)
@@ -191,7 +192,7 @@ def _sparse_average_linkage(
             label[a] = label[b] = merged
             alive[a] = alive[b] = False
             alive[merged] = True
-        first, second, excess = _relabel_edges(label[first], label[second], excess, 2 * n)
+        first, second, excess = _relabel_edges(first, second, excess, label, 2 * n)
     forest.roots = np.nonzero(alive[: len(forest.children)])[0].tolist()
 
 
@@ -223,14 +224,26 @@ def _reciprocal_nearest(
 
 
 def _relabel_edges(
-    first: np.ndarray, second: np.ndarray, excess: np.ndarray, bound: int
+    first: np.ndarray, second: np.ndarray, excess: np.ndarray, label: np.ndarray, bound: int
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Drop edges inside merged clusters and add up the excess of edges now joining the same two clusters."""
-    outside = first != second
-    low = np.minimum(first[outside], second[outside])
-    high = np.maximum(first[outside], second[outside])
+    """Move edges onto the merged clusters: drop edges inside one, add up edges now joining the same two.
+
+    Only edges touching a cluster merged this round change, and only they can coincide, so only they are sorted.
+    """
+    new_first, new_second = label[first], label[second]
+    touched = (new_first != first) | (new_second != second)
+    moved_first, moved_second = new_first[touched], new_second[touched]
+    outside = moved_first != moved_second
+    low = np.minimum(moved_first[outside], moved_second[outside])
+    high = np.maximum(moved_first[outside], moved_second[outside])
     keys, inverse = np.unique(low * bound + high, return_inverse=True)
-    return keys // bound, keys % bound, np.bincount(inverse, weights=excess[outside], minlength=keys.size)
+    summed = np.bincount(inverse, weights=excess[touched][outside], minlength=keys.size)
+    kept = ~touched
+    return (
+        np.concatenate([first[kept], keys // bound]),
+        np.concatenate([second[kept], keys % bound]),
+        np.concatenate([excess[kept], summed]),
+    )
 
 
 def _group_by_anchor(forest: ClusterForest) -> None:
@@ -302,7 +315,9 @@ def assemble(
                 node = IndexNode(new_id(), keys, leaf=True, content_set=content)
                 node.request_ids = dict.fromkeys(leaf_request_ids[child])
             else:
-                rest = [key for key in leaf_keys[first_leaf[child]] if key in content and key not in prefix_set]
+                rest = [
+                    key for key in leaf_keys[first_leaf[child]] if key in content and key not in prefix_set
+                ]
                 node = IndexNode(new_id(), (*prefix, *rest), leaf=False, content_set=content)
                 node.child_index = None  # deferred to the first search through this node
                 node.merge_distance = forest.distances[child]

@@ -191,15 +191,18 @@ def _pair_distances_padded(
 ) -> np.ndarray:
     """Small contexts: compare every slot of the left context with every slot of the right one (K x K per pair)."""
     width = padded.shape[1]
-    slot_gap = np.abs(np.arange(width)[:, None] - np.arange(width)[None, :]).astype(np.int32)
+    slots = np.arange(width)
     out = np.empty(left.size, dtype=np.float64)
     chunk = max(1, _ROW_BLOCK_ELEMENTS // (width * width))
     for start in range(0, left.size, chunk):
         a = padded[left[start : start + chunk]]
         b = padded[right[start : start + chunk]]
-        same = (a[:, :, None] == b[:, None, :]) & (a[:, :, None] != encoded.vocabulary_size)
-        overlap = same.sum(axis=(1, 2))
-        position_sum = (same * slot_gap).sum(axis=(1, 2))
+        b[b == encoded.vocabulary_size] += 1  # distinct padding on each side: padding never matches
+        same = a[:, :, None] == b[:, None, :]  # a block occurs at most once per context: <= 1 match per row
+        matched = same.any(axis=2)
+        partner = same.argmax(axis=2)
+        overlap = matched.sum(axis=1)
+        position_sum = np.where(matched, np.abs(partner - slots), 0).sum(axis=1)
         longest = np.maximum(
             encoded.lengths[left[start : start + chunk]], encoded.lengths[right[start : start + chunk]]
         )

@@ -82,18 +82,20 @@ class BuildReport:
     nodes: int
 
 
-def _prepare(context: Iterable[Hashable]) -> tuple[list[Hashable], dict[Hashable, int]]:
-    """Validate a context; return its keys (first occurrence wins) and their positions."""
+def _distinct(context: Iterable[Hashable]) -> list[Hashable]:
+    """Validate a context; return its keys, first occurrence wins. O(len)."""
     if isinstance(context, (str, bytes)) or not isinstance(context, Iterable):
         raise InvalidInputError(f"a context must be a sequence of block keys, got {type(context).__name__}")
     try:
-        positions: dict[Hashable, int] = {}
-        for key in context:
-            if key not in positions:
-                positions[key] = len(positions)
+        return list(dict.fromkeys(context))
     except TypeError as error:
         raise InvalidInputError(f"block keys must be hashable: {error}") from error
-    return list(positions), positions
+
+
+def _prepare(context: Iterable[Hashable]) -> tuple[list[Hashable], dict[Hashable, int]]:
+    """Validate a context; return its keys (first occurrence wins) and their positions."""
+    keys = _distinct(context)
+    return keys, dict(zip(keys, range(len(keys))))
 
 
 class ContextIndex:
@@ -134,7 +136,7 @@ class ContextIndex:
         ids = list(range(len(contexts))) if request_ids is None else list(request_ids)
         if len(ids) != len(contexts):
             raise InvalidInputError(f"{len(contexts)} contexts but {len(ids)} request ids")
-        prepared = [_prepare(context)[0] for context in contexts]
+        prepared = [_distinct(context) for context in contexts]
         groups: dict[frozenset[Hashable], int] = {}
         leaf_keys: list[list[Hashable]] = []
         leaf_ids: list[list[Hashable]] = []
