@@ -5,14 +5,15 @@ cpmemory's internal decisions, so it checks any producer of prompts. A block pas
 
 * **full**: ``"[<label>]\\n<text>"`` occurs in the prompt (in this turn's message or in the history it sends), and its
   label is named in the last message (shown there, or referenced there);
-* **partial**: every segment of its text (``cpmemory.core.dedup.split_segments``) occurs verbatim in the prompt, and
-  its label is named in the last message.
+* **partial**: every segment of its text (``cpmemory.core.dedup.split_segments``: lines, then sentences) is also a
+  whole segment of the prompt (not merely a substring: "b" inside a label does not count), and its label is named in
+  the last message.
 
 Order: the labels of the blocks, distinct, in the caller's relevance order, must equal the order annotation of the
 last message when it has one, else the order in which the labels first appear at the start of a line of that message.
 
-Cost: O(k * P) substring searches for k blocks and a prompt of P characters (``str.find`` is memchr-fast), plus one
-regex pass over the last message.
+Cost: O(k * P) substring searches for k blocks and a prompt of P characters (``str.find`` is memchr-fast), one
+segmentation of the prompt when some block is not in full, plus one regex pass over the last message.
 """
 
 from __future__ import annotations
@@ -45,18 +46,31 @@ class NoLossReport:
         return self.ok
 
 
-def _prompt_text(messages: Sequence[Mapping[str, str]]) -> tuple[str, str]:
-    contents = [str(message.get("content", "")) for message in messages]
-    return "\n\n".join(contents), (contents[-1] if contents else "")
+class _Prompt:
+    """The prompt text, with its segment set computed only when a block is not found in full."""
+
+    __slots__ = ("_segments", "last", "text")
+
+    def __init__(self, messages: Sequence[Mapping[str, str]]) -> None:
+        contents = [str(message.get("content", "")) for message in messages]
+        self.text = "\n\n".join(contents)
+        self.last = contents[-1] if contents else ""
+        self._segments: set[str] | None = None
+
+    @property
+    def segments(self) -> set[str]:
+        if self._segments is None:
+            self._segments = set(split_segments(self.text))
+        return self._segments
 
 
-def _check_block(block: Block, label: str, prompt: str, last: str) -> tuple[str | None, str | None]:
+def _check_block(block: Block, label: str, prompt: _Prompt) -> tuple[str | None, str | None]:
     """Return (how the block is present: "full" / "partial" / None, a violation or None)."""
-    if f"[{label}]" not in last:
+    if f"[{label}]" not in prompt.last:
         return None, f"block {block.id!r} ({label}) is not named in the last message"
-    if annotations.format_block(label, block.text) in prompt:
+    if annotations.format_block(label, block.text) in prompt.text:
         return "full", None
-    missing = [segment for segment in split_segments(block.text) if segment not in prompt]
+    missing = [segment for segment in split_segments(block.text) if segment not in prompt.segments]
     if not missing:
         return "partial", None
     return (
@@ -79,20 +93,20 @@ def check_no_loss(
         A NoLossReport. Pure; never raises on a malformed prompt (that is a violation).
     """
     normalized = normalize_blocks(blocks)
-    prompt, last = _prompt_text(messages)
+    prompt = _Prompt(messages)
     violations: list[str] = []
     counts = {"full": 0, "partial": 0}
     labels: list[str] = []
     for block in normalized:
         label = block.label
         labels.append(label)
-        how, problem = _check_block(block, label, prompt, last)
+        how, problem = _check_block(block, label, prompt)
         if problem:
             violations.append(problem)
         elif how:
             counts[how] += 1
     if check_order and normalized:
-        problem = _check_order(labels, last)
+        problem = _check_order(labels, prompt.last)
         if problem:
             violations.append(problem)
     return NoLossReport(not violations, violations, counts["full"], counts["partial"])

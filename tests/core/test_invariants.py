@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from cpmemory.core import annotations
 from cpmemory.core.blocks import Block
+from cpmemory.core.dedup import split_segments
 from cpmemory.core.invariants import check_no_loss
 
 A = Block("a", "Alpha document. It has two sentences.")
@@ -81,3 +85,19 @@ def test_empty_blocks_and_empty_texts() -> None:
     empty = Block("e", "")
     assert check_no_loss([empty], prompt(annotations.build_user_message(shown(empty), [], None, "q"))).ok
     assert not check_no_loss([empty], prompt("Question: q")).ok
+
+
+texts = st.text(alphabet=st.sampled_from(list("abcdefgh .!?\n")), min_size=1, max_size=60)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(texts, min_size=1, max_size=6, unique=True), st.data())
+def test_removing_any_block_text_is_detected(block_texts: list[str], data: st.DataObject) -> None:
+    blocks = [Block(f"b{i}", text) for i, text in enumerate(block_texts)]
+    user = annotations.build_user_message(shown(*blocks), [], None, "q")
+    assert check_no_loss(blocks, prompt(user)).ok
+    victim = data.draw(st.sampled_from(blocks))
+    elsewhere = {segment for b in blocks if b is not victim for segment in split_segments(b.text)}
+    if set(split_segments(victim.text)) - elsewhere:  # some of its text exists nowhere else in the prompt
+        damaged = user.replace(annotations.format_block(victim.label, victim.text), f"[{victim.label}]\n", 1)
+        assert not check_no_loss(blocks, prompt(damaged)).ok
