@@ -147,8 +147,12 @@ class ChainOfAgents:
         tenant: str = "default",
         context_blocks: Iterable[BlockLike] = (),
         system_prompt: str | None = None,
+        affinity_key: str | None = None,
     ) -> ChainOfAgentsResult:
         """Run one job: one worker per chunk (sequential, passing the summary), then the manager.
+
+        Every call is routed with ``affinity_key`` (default: tenant + job id; pass ``branch_affinity_key(tenant,
+        search_path)`` to co-locate jobs whose contexts share an index branch).
 
         Raises:
             InvalidInputError: empty job id or task, or malformed blocks.
@@ -157,7 +161,7 @@ class ChainOfAgents:
         if not job_id or not task:
             raise InvalidInputError("a Chain-of-Agents job needs a job id and a task")
         shared = self._shared_system_message(system_prompt, context_blocks)
-        key = job_affinity_key(tenant, job_id)
+        key = affinity_key or job_affinity_key(tenant, job_id)
         chunks = split_chunks(long_input, self.config.chunk_chars, self.config.max_chunks) or [""]
         calls: list[AgentCall] = []
         summary = ""

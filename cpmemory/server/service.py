@@ -251,8 +251,9 @@ class ProxyService:
         self.metrics.observe_blocks([item["status"] for item in decisions])
         self.metrics.overhead.observe(max(0.0, overhead_s))
         degraded = bool(getattr(prepared, "degraded", False))
-        if degraded:
+        if degraded:  # the store was down at prepare: the turn went through in full and nothing was recorded
             self.metrics.fallbacks.labels(kind="store").inc()
+            committed = False
         return {
             "conversation_id": turn.conversation_id, "turn": getattr(prepared, "turn", None),
             "request_id": engine_request_id(prepared), "replica": decision.index, "route_reason": decision.reason,

@@ -160,3 +160,20 @@ async def test_eviction_report_removes_index_leaves(proxy) -> None:
     assert memory.index_size("default") == before - 1
     bad = await proxy.client.post("/v1/cpmemory/evictions", json={"request_ids": "x"})
     assert bad.status_code == 422
+
+
+async def test_store_outage_degrades_to_pass_through_with_nothing_lost(make_proxy) -> None:
+    from cpmemory.facade import AsyncCpMemory
+    from cpmemory.stores.redis_store import AsyncRedisSessionStore, RedisStoreConfig
+
+    dead = AsyncRedisSessionStore.from_url("redis://127.0.0.1:1/0", RedisStoreConfig(prefix="cpmdead"))
+    proxy = make_proxy(memory=AsyncCpMemory(store=dead))
+    response = await proxy.client.post("/v1/chat/completions", json=turn_body("d", "q", BLOCKS_1))
+    assert response.status_code == 200
+    info = response.json()["cpmemory"]
+    assert info["degraded"] and not info["committed"]
+    sent = proxy.engine_of(response.json()).requests[-1]["body"]["messages"]
+    assert check_no_loss(BLOCKS_1, sent).ok
+    text = (await proxy.client.get("/metrics")).text
+    assert 'cpmemory_fallbacks_total{kind="store"} 1.0' in text
+    await proxy.aclose()
