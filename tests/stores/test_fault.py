@@ -7,6 +7,7 @@ de-duplication resumes against blocks committed after the restart (the throw-awa
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 
 import pytest
@@ -14,8 +15,8 @@ import pytest
 from cpmemory.bench.local_redis import LocalRedisServer, redis_binaries_available
 from cpmemory.core.invariants import check_no_loss
 from cpmemory.errors import StoreUnavailableError
-from cpmemory.facade import CpMemory
-from cpmemory.stores.redis_store import RedisSessionStore, RedisStoreConfig
+from cpmemory.facade import AsyncCpMemory, CpMemory
+from cpmemory.stores.redis_store import AsyncRedisSessionStore, RedisSessionStore, RedisStoreConfig
 
 pytestmark = pytest.mark.skipif(not redis_binaries_available(), reason="redis-server / redis-cli not on PATH")
 
@@ -64,3 +65,28 @@ def test_kill_restart_passes_through_then_resumes(caplog: pytest.LogCaptureFixtu
         assert (statuses["doc-4"], statuses["doc-5"], statuses["doc-6"]) == ("referenced", "referenced", "new")
         _assert_complete(DOCS[4:8], fifth)
         assert memory.commit(fifth, "a6") == 2
+
+
+def test_kill_restart_async_store() -> None:
+    config = RedisStoreConfig(prefix="fault-async", socket_timeout_s=0.2, connect_timeout_s=0.2, retries=0)
+
+    async def scenario(server: LocalRedisServer) -> None:
+        store = AsyncRedisSessionStore.from_url(server.url, config)
+        memory = AsyncCpMemory(store=store)
+        first = await memory.prepare("conv", "q1", DOCS[:4])
+        assert await memory.commit(first, "a1") == 1
+        server.kill()
+        during = await memory.prepare("conv", "q2", DOCS[:6])
+        assert during.degraded and set(_statuses(during).values()) == {"new"}
+        _assert_complete(DOCS[:6], during)
+        server.start()
+        after = await memory.prepare("conv", "q3", DOCS[:4])
+        assert not after.degraded and set(_statuses(after).values()) == {"new"}  # the server kept nothing
+        assert await memory.commit(after, "a3") == 1
+        resumed = await memory.prepare("conv", "q4", DOCS[2:6])
+        assert [_statuses(resumed)[f"doc-{i}"] for i in range(2, 6)] == ["referenced", "referenced", "new", "new"]
+        _assert_complete(DOCS[2:6], resumed)
+        await store.close()
+
+    with LocalRedisServer() as server:
+        asyncio.run(scenario(server))
