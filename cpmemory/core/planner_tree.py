@@ -155,7 +155,7 @@ class CoreTree:
 
 
 def build_core_tree(contexts: Sequence[Context], weights: Mapping[Hashable, float], ranks: Mapping[Hashable, int],
-                    partners: int = 32) -> CoreTree:
+                    partners: int = 16) -> CoreTree:
     """Grow a :class:`CoreTree` by lazy Kruskal over the best partner pairs (see module docstring).
 
     Complexity: O(P log P) heap work for P candidate pairs (at most ``partners`` per request), each pop O(depth * K).
