@@ -180,6 +180,13 @@ def passthrough_messages(
     return messages
 
 
+def facade_system_prompt(memory: Any, override: str | None) -> str | None:
+    """The system prompt a facade would use: ``override``, else its configured one (pass-through prompts match)."""
+    if override is not None:
+        return override
+    return getattr(getattr(memory, "config", None), "system_prompt", None)
+
+
 class PendingTurns:
     """Prepared turns not yet committed or aborted, one per conversation. Thread-safe.
 

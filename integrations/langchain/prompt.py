@@ -29,7 +29,12 @@ from langchain_core.messages import BaseMessage
 from langchain_core.runnables import Runnable, RunnableConfig
 from langchain_core.runnables.config import ensure_config
 
-from integrations._common import PassthroughWarning, PendingTurns, passthrough_messages
+from integrations._common import (
+    PassthroughWarning,
+    PendingTurns,
+    facade_system_prompt,
+    passthrough_messages,
+)
 from integrations.langchain.documents import (
     METADATA_KEY,
     PromptInput,
@@ -108,7 +113,7 @@ class CpMemoryPromptRunnable(TurnKeeper, Runnable[Mapping[str, Any], list[BaseMe
             parsed.question,
             assignment.blocks,
             history=messages_to_dicts(parsed.history),
-            system_prompt=self.system_prompt,
+            system_prompt=facade_system_prompt(self.memory, self.system_prompt),
         )
         return dicts_to_messages(messages)
 

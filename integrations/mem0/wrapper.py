@@ -25,7 +25,12 @@ from typing import Any
 
 from cpmemory.core.blocks import Block
 from cpmemory.errors import UnknownReservationError
-from integrations._common import PassthroughWarning, PendingTurns, passthrough_messages
+from integrations._common import (
+    PassthroughWarning,
+    PendingTurns,
+    facade_system_prompt,
+    passthrough_messages,
+)
 from integrations.mem0.results import (
     ParsedResults,
     assemble_passthrough,
@@ -103,9 +108,8 @@ class _Mem0Adapter:
             PassthroughWarning,
             stacklevel=3,
         )
-        messages = passthrough_messages(
-            query, parsed.blocks, history=history, system_prompt=self._system_prompt
-        )
+        system_prompt = facade_system_prompt(self._cpmemory, self._system_prompt)
+        messages = passthrough_messages(query, parsed.blocks, history=history, system_prompt=system_prompt)
         self._pending.put(_PASSTHROUGH_KEY, PassthroughTurn(messages))
         return assemble_passthrough(parsed, NO_CONVERSATION_REASON)
 

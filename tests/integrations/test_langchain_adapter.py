@@ -243,3 +243,10 @@ def test_import_without_langchain_names_the_install_command(monkeypatch: pytest.
     monkeypatch.setitem(sys.modules, "langchain_core", None)
     with pytest.raises(MissingDependencyError, match=r"pip install 'cpmemory\[langchain\]'"):
         importlib.import_module("integrations.langchain")
+
+
+def test_passthrough_prompt_uses_the_facades_system_prompt() -> None:
+    memory = CpMemory()
+    with pytest.warns(PassthroughWarning):
+        messages = CpMemoryPromptRunnable(memory).invoke({"documents": [], "question": "q"})
+    assert isinstance(messages[0], SystemMessage) and messages[0].content == memory.config.system_prompt
