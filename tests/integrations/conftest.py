@@ -6,6 +6,7 @@ any test module imports it: no telemetry, nothing written to the home directory,
 
 from __future__ import annotations
 
+import atexit
 import os
 import shutil
 import tempfile
@@ -16,6 +17,7 @@ from typing import Any
 import pytest
 
 _MEM0_HOME = tempfile.mkdtemp(prefix="cpm-test-mem0-")
+atexit.register(shutil.rmtree, _MEM0_HOME, True)  # also when the session is cut short
 os.environ["MEM0_DIR"] = _MEM0_HOME
 os.environ["MEM0_TELEMETRY"] = "false"
 os.environ["HF_HUB_OFFLINE"] = "1"
