@@ -21,6 +21,7 @@ import json
 import random
 from collections import defaultdict
 from collections.abc import Callable, Sequence
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -60,13 +61,20 @@ def _read_json(path: Path) -> Any:
         raise WorkloadDataError(f"cannot read {path}: {exc}") from exc
 
 
+@lru_cache(maxsize=1)
+def _vocabulary() -> tuple[str, ...]:
+    """Pseudo-words of one to three syllables (4,368 of them), built once."""
+    syllables = ("ka", "lo", "mi", "ren", "to", "sa", "vel", "dor", "ni", "que", "ra", "tis", "pa", "mon", "e", "u")
+    words = list(syllables)
+    words += [a + b for a in syllables for b in syllables]
+    words += [a + b + c for a in syllables for b in syllables for c in syllables]
+    return tuple(words)
+
+
 def _pseudo_text(seed_text: str, words: int) -> str:
     """Deterministic pseudo-English filler of ``words`` words (about one token each), seeded by ``seed_text``."""
     seed = int.from_bytes(hashlib.blake2b(seed_text.encode(), digest_size=8).digest(), "little")
-    rng = random.Random(seed)
-    syllables = ("ka", "lo", "mi", "ren", "to", "sa", "vel", "dor", "ni", "que", "ra", "tis", "pa", "mon", "e", "u")
-    out = [''.join(rng.choice(syllables) for _ in range(rng.randint(1, 3))) for _ in range(words)]
-    return " ".join(out)
+    return " ".join(random.Random(seed).choices(_vocabulary(), k=words))
 
 
 # ---------------------------------------------------------------- LoCoMo
