@@ -225,10 +225,7 @@ def _relay_engine_client_error(error: EngineHTTPError) -> Any:
 
 def _install_routes(app: Any, service: ProxyService, resolve_tenant: _TenantResolver) -> None:
     from fastapi import Header
-    from fastapi.responses import JSONResponse, Response, StreamingResponse
-
-    def unauthorized() -> Any:
-        return error_response(401, "authentication_error", "invalid_api_key", "unknown or missing API key")
+    from fastapi.responses import JSONResponse, StreamingResponse
 
     @app.post("/v1/chat/completions", responses=ERROR_RESPONSES)
     async def chat_completions(
@@ -239,7 +236,7 @@ def _install_routes(app: Any, service: ProxyService, resolve_tenant: _TenantReso
         started = time.perf_counter()
         tenant = resolve_tenant(authorization)
         if tenant is None:
-            return unauthorized()
+            return _unauthorized()
         try:
             if request.cpmemory is None and x_cpmemory_conversation is None:
                 return await _plain(service, request, tenant, started)
@@ -262,11 +259,23 @@ def _install_routes(app: Any, service: ProxyService, resolve_tenant: _TenantReso
             return _engine_error(error)
         return JSONResponse(outcome.body)
 
+    _install_operations(app, service, resolve_tenant)
+
+
+def _unauthorized() -> Any:
+    return error_response(401, "authentication_error", "invalid_api_key", "unknown or missing API key")
+
+
+def _install_operations(app: Any, service: ProxyService, resolve_tenant: _TenantResolver) -> None:
+    """Eviction reports, health and metrics."""
+    from fastapi import Header
+    from fastapi.responses import JSONResponse, Response
+
     @app.post("/v1/cpmemory/evictions", response_model=EvictionResult, responses=ERROR_RESPONSES)
     async def evictions(report: EvictionReport, authorization: str | None = Header(default=None)) -> Any:
         tenant = resolve_tenant(authorization)
         if tenant is None:
-            return unauthorized()
+            return _unauthorized()
         removed = service.memory.evict(list(report.request_ids), tenant=tenant)
         if asyncio.iscoroutine(removed):  # AsyncCpMemory.evict is synchronous today; accept either
             removed = await removed
