@@ -102,15 +102,21 @@ cmd_start() {
     kv_env=()
     kv_args=(--kv-cache-memory-bytes "$CPM_VLLM_KV_BYTES")
   fi
-  # setsid: the server and its engine-core child form one process group that `stop` can end together.
-  env "${kv_env[@]}" VLLM_SERVER_DEV_MODE=1 VLLM_LOGGING_LEVEL=WARNING \
-    setsid "$VENV/bin/vllm" serve "$MODEL" --served-model-name tiny --host 127.0.0.1 --port "$port" \
+  # setsid: the server and its engine-core children form one process group (and session) that `stop` ends
+  # together. The shell inside writes its own PID (= the group id) before exec'ing vLLM, which stays right even
+  # when setsid has to fork (when the caller's job control made us a group leader).
+  rm -f "$RUN_DIR/$NAME.pid"
+  setsid bash -c 'echo $$ > "$0"; exec "$@"' "$RUN_DIR/$NAME.pid" \
+    env "${kv_env[@]}" VLLM_SERVER_DEV_MODE=1 VLLM_LOGGING_LEVEL=WARNING \
+    "$VENV/bin/vllm" serve "$MODEL" --served-model-name tiny --host 127.0.0.1 --port "$port" \
     --dtype bfloat16 --max-model-len 16384 --enforce-eager --enable-prefix-caching \
     --enable-prompt-tokens-details \
     --kv-events-config "{\"enable_kv_cache_events\": true, \"publisher\": \"zmq\", \"endpoint\": \"tcp://*:$kvport\", \"topic\": \"kv-events\"}" \
     "${kv_args[@]}" "$@" >"$RUN_DIR/$NAME.log" 2>&1 < /dev/null &
-  local pid=$!
-  echo "$pid" > "$RUN_DIR/$NAME.pid"
+  for _ in $(seq 1 50); do [ -s "$RUN_DIR/$NAME.pid" ] && break; sleep 0.1; done
+  local pid
+  pid=$(cat "$RUN_DIR/$NAME.pid" 2>/dev/null || true)
+  [ -n "$pid" ] || { log "$NAME did not start"; return 1; }
   log "starting $NAME (pid $pid, port $port, kv events tcp://127.0.0.1:$kvport, log $RUN_DIR/$NAME.log)"
   if ! wait_health "$port" "$pid"; then
     cmd_stop "$NAME"
