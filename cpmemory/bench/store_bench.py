@@ -19,6 +19,8 @@ Phases, per backend:
   request/response exchange; a pipeline would count once), after one warm-up call that loads the scripts.
 * **concurrent** (asyncio store, all conversations at once): ``turns_per_second`` and the latency percentiles
   under that load (``concurrent_prepare_p50_ms`` ...).
+* ``seen_fraction``: share of the sequential phase's blocks that ``reserve`` reported as already shown; the same
+  workload gives the same figure on every backend (a cross-check of the stores' semantics).
 
 The ``redis`` row uses ``--redis-url`` (a local ``redis-server`` on a spare port is started if it does not answer);
 the ``cluster`` row starts a 3-master cluster with :mod:`cpmemory.bench.local_redis` (skipped with a reason when
@@ -146,6 +148,8 @@ class Samples:
     ping: list[float] = field(default_factory=list)
     prepare_round_trips: int = 0
     commit_round_trips: int = 0
+    blocks: int = 0
+    blocks_seen: int = 0
 
 
 def _timed(samples: list[float], call: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -177,6 +181,8 @@ def run_sequential(store: Any, workload: Workload, counter: RoundTripCounter | N
             reservation = _timed(samples.prepare, store.reserve, key, _request(blocks, False))
             middle = counter.sends if counter else 0
             record = _record(blocks, reservation.seen, turn)
+            samples.blocks += len(blocks)
+            samples.blocks_seen += sum(block.digest in reservation.seen for block in blocks)
             _timed(samples.commit, store.commit, key, reservation.reservation_id, record)
             if counter:
                 samples.prepare_round_trips += middle - before
@@ -246,6 +252,7 @@ def summarize(name: str, workload: Workload, sequential: Samples, concurrent: Sa
         "commit_p99_ms": _ms(sequential.commit, 0.99),
         "facade_prepare_p50_ms": _ms(sequential.facade_prepare, 0.5),
         "turns_per_second": round(turns_total / wall_s, 1) if wall_s else None,
+        "seen_fraction": round(sequential.blocks_seen / sequential.blocks, 4) if sequential.blocks else 0.0,
         "concurrent_prepare_p50_ms": _ms(concurrent.prepare, 0.5),
         "concurrent_prepare_p99_ms": _ms(concurrent.prepare, 0.99),
         "concurrent_commit_p50_ms": _ms(concurrent.commit, 0.5),

@@ -40,4 +40,6 @@ def test_bench_store_json_rows(real_redis: str) -> None:
         assert (row["conversations"], row["turns"]) == (3, 2)
         assert row["prepare_p50_ms"] > 0 and row["turns_per_second"] > 0
     assert rows["memory"]["round_trips_per_prepare"] == 0
+    fractions = {row["seen_fraction"] for row in rows.values() if "skipped" not in row}
+    assert len(fractions) == 1 and 0 < fractions.pop() < 1  # every store saw the same blocks as already shown
     assert (rows["redis"]["round_trips_per_prepare"], rows["redis"]["round_trips_per_commit"]) == (1.0, 1.0)
