@@ -1,8 +1,9 @@
 """``cpmemory bench store``: session-store latency, throughput and round trips (in-memory, Redis, Redis Cluster).
 
 Workload (:func:`make_workload`, seeded): ``conversations`` conversations of ``turns`` turns, 15 blocks per turn
-(about 600 characters each) retrieved from a per-conversation topic of a shared corpus; about half of each turn's
-blocks were already retrieved earlier in the conversation, so de-duplication has work to do. Each turn reserves with
+(about 600 characters each) retrieved from a per-conversation topic (60 blocks of a shared corpus): 7 are kept from
+the previous turn and the rest drawn from the topic, so about two thirds were already shown earlier in the
+conversation and de-duplication has work to do. Each turn reserves with
 the turn's (block id, content hash) pairs and commits the user message (the blocks not seen before, in full), the
 answer and the blocks shown.
 
