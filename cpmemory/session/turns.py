@@ -238,7 +238,7 @@ def arrange(turn_input: TurnInput, shown: Sequence[int], prefix: Sequence[Hashab
             (i for i in shown if turn_input.blocks[i].id in rank), key=lambda i: rank[turn_input.blocks[i].id]
         )
     else:
-        where = {digest: i for i in shown for digest in (turn_input.digests[i],)}
+        where = {turn_input.digests[i]: i for i in shown}  # shown blocks have distinct contents
         first = [where[key] for key in dict.fromkeys(prefix) if key in where]
     placed = set(first)
     return first + [i for i in shown if i not in placed]
