@@ -21,7 +21,7 @@ if not all(URLS):
     pytest.skip("CPM_VLLM_URL and CPM_VLLM_URL_2 are not set", allow_module_level=True)
 
 DOCS = [{"id": f"v{i}", "text": f"Report {i}: the committee reviewed item {i} and approved the budget for the "
-         f"river bridge, the harbor lights and the school roof in district {i}. " * 2} for i in range(8)]
+         f"river bridge, the harbor lights and the school roof in district {i}. " * 2} for i in range(10)]
 
 
 class TcpRelay:
@@ -99,6 +99,11 @@ async def test_real_replicas_affinity_cache_reuse_and_failover() -> None:
         assert {info["replica"] for info in infos} == {0}
         assert sum(info["failovers"] for info in infos) == 1 and not router.status()[1].healthy
         assert all("referenced" in {d["status"] for d in info["decisions"]} for info in infos)
+        # a streamed turn is relayed and committed: the next turn gets the next number
+        body, _ = _body(chosen[0], 4)
+        streamed = await client.post("/v1/chat/completions", json={**body, "stream": True})
+        assert streamed.status_code == 200 and b"data: [DONE]" in streamed.content
+        assert (await _run_turn(client, recording, chosen[0], 5))["turn"] == 5
     finally:
         await client.aclose()
         await recording.aclose()

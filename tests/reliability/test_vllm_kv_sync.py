@@ -1,0 +1,44 @@
+"""Real vLLM (CPM_VLLM_URL + CPM_VLLM_KV_ENDPOINT): the proxy's KV-event sync registers each turn's prompt with the
+tenant's cache_salt, and the block hashes it computes match the ones vLLM publishes in BlockStored events."""
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+
+import httpx
+import pytest
+
+from cpmemory.server.app import ServerConfig, create_app
+
+pytestmark = pytest.mark.vllm
+URL = os.environ.get("CPM_VLLM_URL")
+KV_ENDPOINT = os.environ.get("CPM_VLLM_KV_ENDPOINT")
+if not (URL and KV_ENDPOINT):
+    pytest.skip("CPM_VLLM_URL and CPM_VLLM_KV_ENDPOINT are not set", allow_module_level=True)
+
+
+async def test_turns_register_with_the_tenant_salt_and_hashes_match_vllm() -> None:
+    app = create_app(ServerConfig(engines=[URL], kv_events=[KV_ENDPOINT], engine_timeout_s=300))
+    service = app.state.service
+    stamp = time.time_ns()  # fresh text: vLLM must store (and publish) new blocks for this run
+    blocks = [{"id": f"k{i}", "text": f"Run {stamp} block {i}: " + "the harbor ledger lists every ship. " * 40}
+              for i in range(2)]
+    async with app.router.lifespan_context(app):
+        await asyncio.sleep(1.0)  # ZMQ subscription settles before the first event
+        client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://proxy", timeout=300)
+        for turn in range(2):
+            body = {"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": f"q{turn}"}],
+                    "cpmemory": {"conversation_id": f"kv-{stamp}", "blocks": blocks}}
+            response = await client.post("/v1/chat/completions", json=body)
+            assert response.status_code == 200, response.text
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            stats = service.kv_sync.stats().get(0)
+            if stats is not None and stats.registered >= 2 and stats.hash_matches >= 1:
+                break
+            await asyncio.sleep(0.5)
+        await client.aclose()
+    assert stats is not None and stats.registered >= 2, stats
+    print(f"\nkv sync on real vLLM: {stats}")
+    assert stats.hash_matches >= 1 and stats.hash_mismatches == 0, stats
