@@ -56,7 +56,7 @@ async def proxy() -> AsyncIterator[Proxy]:
 
 
 @pytest.fixture
-def make_proxy():
+async def make_proxy():
     made: list[Proxy] = []
 
     def factory(engine_count: int = 2, memory: Any = None, **config: Any) -> Proxy:
@@ -66,3 +66,5 @@ def make_proxy():
         return proxy
 
     yield factory
+    for proxy in made:
+        await proxy.aclose()  # closing twice is harmless
