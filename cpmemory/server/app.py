@@ -226,6 +226,7 @@ def _relay_engine_client_error(error: EngineHTTPError) -> Any:
 def _install_routes(app: Any, service: ProxyService, resolve_tenant: _TenantResolver) -> None:
     from fastapi import Header
     from fastapi.responses import JSONResponse, StreamingResponse
+    from starlette.background import BackgroundTask
 
     @app.post("/v1/chat/completions", responses=ERROR_RESPONSES)
     async def chat_completions(
@@ -252,8 +253,10 @@ def _install_routes(app: Any, service: ProxyService, resolve_tenant: _TenantReso
                 headers = {"X-Cpmemory-Request-Id": engine_request_id(prepared),
                            "X-Cpmemory-Replica": str(opened.decision.index)}
                 overhead = time.perf_counter() - started - opened.engine_seconds
+                # the background release is a safety net for a client gone before the body started (idempotent)
                 return StreamingResponse(service.relay_stream(opened, prepared, overhead),
-                                         media_type="text/event-stream", headers=headers)
+                                         media_type="text/event-stream", headers=headers,
+                                         background=BackgroundTask(opened.release))
             outcome = await service.run_turn(request, tenant, turn, prepared, started)
         except EngineError as error:
             return _engine_error(error)
@@ -303,11 +306,13 @@ def _install_operations(app: Any, service: ProxyService, resolve_tenant: _Tenant
 
 async def _plain(service: ProxyService, request: ChatCompletionRequest, tenant: str, started: float) -> Any:
     from fastapi.responses import JSONResponse, StreamingResponse
+    from starlette.background import BackgroundTask
 
     if request.stream:
         opened = await service.open_pass_through_stream(request, tenant)
         overhead = time.perf_counter() - started - opened.engine_seconds
-        return StreamingResponse(service.relay_stream(opened, None, overhead), media_type="text/event-stream")
+        return StreamingResponse(service.relay_stream(opened, None, overhead), media_type="text/event-stream",
+                                 background=BackgroundTask(opened.release))
     result = await service.pass_through(request, tenant)
     service.metrics.overhead.observe(max(0.0, time.perf_counter() - started - result.engine_seconds))
     return JSONResponse(result.response)

@@ -177,3 +177,28 @@ async def test_store_outage_degrades_to_pass_through_with_nothing_lost(make_prox
     text = (await proxy.client.get("/metrics")).text
     assert 'cpmemory_fallbacks_total{kind="store"} 1.0' in text
     await proxy.aclose()
+
+
+async def test_hung_engine_times_out_and_fails_over(proxy) -> None:
+    first = await proxy.client.post("/v1/chat/completions", json=turn_body("hang", "q1", BLOCKS_1))
+    home = first.json()["cpmemory"]["replica"]
+    proxy.engines[home].hang_next(1)
+    second = await proxy.client.post("/v1/chat/completions", json=turn_body("hang", "q2", BLOCKS_1))
+    info = second.json()["cpmemory"]
+    assert second.status_code == 200 and info["replica"] != home and info["failovers"] == 1
+    assert info["turn"] == 2 and {d["status"] for d in info["decisions"]} == {"referenced"}
+
+
+async def test_stream_fails_over_before_the_first_byte_and_in_flight_returns_to_zero(proxy) -> None:
+    first = await proxy.client.post("/v1/chat/completions", json=turn_body("sf", "q1", BLOCKS_1))
+    home = first.json()["cpmemory"]["replica"]
+    proxy.engines[home].down = True
+    streamed = await proxy.client.post("/v1/chat/completions", json=turn_body("sf", "q2", BLOCKS_2, stream=True))
+    assert streamed.status_code == 200 and int(streamed.headers["x-cpmemory-replica"]) != home
+    assert b"data: [DONE]" in streamed.content
+    plain = await proxy.client.post("/v1/chat/completions",
+                                    json={"model": "tiny", "stream": True, "messages": [{"role": "user", "content": "x"}]})
+    assert plain.status_code == 200 and b"[DONE]" in plain.content
+    assert [status.in_flight for status in proxy.service.dispatcher.router.status()] == [0, 0]
+    third = await proxy.client.post("/v1/chat/completions", json=turn_body("sf", "q3", BLOCKS_2))
+    assert third.json()["cpmemory"]["turn"] == 3  # the streamed turn was committed
