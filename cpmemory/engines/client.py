@@ -258,6 +258,15 @@ def parse_cache_config(text: str) -> CacheConfig:
     raise EngineError("the engine's /metrics has no vllm:cache_config_info with a block_size")
 
 
+def reset_succeeded(response: Any) -> bool:
+    """Whether a ``/reset_prefix_cache`` answer reports success (an empty or non-JSON 200 counts as success)."""
+    try:
+        payload = response.json()
+    except ValueError:
+        return True
+    return not (isinstance(payload, dict) and payload.get("success") is False)
+
+
 def _import_httpx():
     try:
         import httpx
@@ -386,13 +395,22 @@ class EngineClient:
             return False
         return True
 
-    def reset_prefix_cache(self) -> bool:
-        """``POST /reset_prefix_cache`` (vLLM dev mode, VLLM_SERVER_DEV_MODE=1). Returns False when refused."""
-        try:
-            self._send("POST", "/reset_prefix_cache")
-        except EngineStatusError:
-            return False
-        return True
+    def reset_prefix_cache(self, *, attempts: int = 10, wait_s: float = 0.2) -> bool:
+        """``POST /reset_prefix_cache`` (vLLM dev mode, VLLM_SERVER_DEV_MODE=1). Returns False when refused.
+
+        vLLM answers ``{"success": false}`` while blocks are still held (a request finishing): the call is then
+        repeated up to ``attempts`` times, ``wait_s`` apart.
+        """
+        for attempt in range(attempts):
+            try:
+                response = self._send("POST", "/reset_prefix_cache")
+            except EngineStatusError:
+                return False
+            if reset_succeeded(response):
+                return True
+            if attempt + 1 < attempts:
+                time.sleep(wait_s)
+        return False
 
 
 class AsyncEngineClient:
@@ -486,10 +504,17 @@ class AsyncEngineClient:
             return False
         return True
 
-    async def reset_prefix_cache(self) -> bool:
-        """``POST /reset_prefix_cache`` (vLLM dev mode). Returns False when refused."""
-        try:
-            await self._send("POST", "/reset_prefix_cache")
-        except EngineStatusError:
-            return False
-        return True
+    async def reset_prefix_cache(self, *, attempts: int = 10, wait_s: float = 0.2) -> bool:
+        """``POST /reset_prefix_cache`` (vLLM dev mode); see :meth:`EngineClient.reset_prefix_cache`."""
+        import asyncio
+
+        for attempt in range(attempts):
+            try:
+                response = await self._send("POST", "/reset_prefix_cache")
+            except EngineStatusError:
+                return False
+            if reset_succeeded(response):
+                return True
+            if attempt + 1 < attempts:
+                await asyncio.sleep(wait_s)
+        return False

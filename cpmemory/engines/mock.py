@@ -70,6 +70,7 @@ class MockEngine:
         self._sequence = 0
         self._failures: list[int] = []
         self._hangs = 0
+        self._busy_resets = 0
         self._queries = 0
         self._hits = 0
 
@@ -83,6 +84,11 @@ class MockEngine:
         """Let the next ``count`` requests time out (httpx.ReadTimeout), as a hung engine would."""
         with self._lock:
             self._hangs += count
+
+    def refuse_resets(self, count: int = 1) -> None:
+        """Answer the next ``count`` resets with ``{"success": false}`` (vLLM does while blocks are held)."""
+        with self._lock:
+            self._busy_resets += count
 
     def cached_blocks(self) -> list[int]:
         """Hashes of the cached blocks, least recently used first."""
@@ -147,6 +153,9 @@ class MockEngine:
         import httpx
 
         with self._lock:
+            if self._busy_resets:
+                self._busy_resets -= 1
+                return httpx.Response(200, json={"success": False})
             self._cache.clear()
             self._publish([AllBlocksCleared()])
         return httpx.Response(200, json={"success": True})

@@ -184,3 +184,14 @@ def test_sglang_style_request_id_field(engine):
     body = engine.requests[-1]["body"]
     assert body["rid"] == "sg-1" and "request_id" not in body
     assert engine.requests[-1]["request_id"] == "sg-1"  # the X-Request-Id header
+
+
+def test_reset_is_retried_while_the_engine_reports_busy(engine, client):
+    client.chat(messages("q"))
+    engine.refuse_resets(2)
+    assert client.reset_prefix_cache(wait_s=0.0) is True
+    assert engine.cached_blocks() == []
+    client.chat(messages("q"))
+    engine.refuse_resets(5)
+    assert client.reset_prefix_cache(attempts=3, wait_s=0.0) is False
+    assert engine.cached_blocks() != []
