@@ -98,9 +98,8 @@ class _FacadeCore:
         if self._outage:
             self._outage = False
             logger.warning("session store reachable again; de-duplication resumed")
-        source = None
-        if turn_input.history is None:  # the stored transcript only grows: its segment index is cached
-            source = functools.partial(self._segments.for_history, turn_input.key)
+        # A conversation's history only grows: its segment index is cached and extended (stored or given history).
+        source = functools.partial(self._segments.for_history, turn_input.key)
         try:
             turn = plan_turn(turn_input, reservation, self._indexes, self.config, source)
         except Exception:  # an index bug must not lose the request: fall back to relevance order

@@ -1,10 +1,11 @@
-"""A per-conversation cache of the stored transcript's segment index (for partial-overlap dedup).
+"""A per-conversation cache of the history's segment index (for partial-overlap dedup).
 
-The stored transcript only grows (commits append), so the index built for its first n messages stays valid and is
-extended with the new messages only: partial-overlap detection costs O(new text) per request, not O(transcript).
-An entry is rebuilt when the transcript no longer starts the same way (expired and restarted conversation).
-Requests get a view limited to the messages they send (see SegmentIndex.limited_to), so a concurrent request that
-sends a shorter transcript never sees segments it does not send.
+A conversation's history normally only grows (commits append; clients resend their history plus one turn), so the
+index built for its first n messages is extended with the new messages only: partial-overlap detection costs
+O(new text) per request instead of O(history). Each entry keeps a fingerprint (Python hash of role and content) per
+indexed message; a history whose messages differ from the fingerprints (edited, truncated at the front, another
+conversation after expiry) gets a fresh index. Requests get a view limited to the messages they send
+(SegmentIndex.limited_to), so a request that sends a shorter history never sees segments it does not send.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from cpmemory.core.dedup import SegmentIndex
 from cpmemory.stores.base import ConversationKey, Message
@@ -20,13 +21,17 @@ from cpmemory.stores.base import ConversationKey, Message
 
 @dataclass(slots=True)
 class _Entry:
-    index: SegmentIndex
-    first: str
-    last: str
+    index: SegmentIndex = field(default_factory=SegmentIndex)
+    prints: list[int] = field(default_factory=list)
+
+
+def _fingerprints(history: Sequence[Message]) -> list[int]:
+    # str hashes are cached on the string objects, so a transcript read from the in-memory store costs O(messages).
+    return [hash((message["role"], message["content"])) for message in history]
 
 
 class SegmentCache:
-    """LRU of conversation -> segment index of its stored transcript (thread-safe, bounded)."""
+    """LRU of conversation -> segment index of its latest history (thread-safe, bounded)."""
 
     def __init__(self, max_conversations: int = 10_000) -> None:
         self._max = max_conversations
@@ -37,31 +42,23 @@ class SegmentCache:
         return len(self._entries)
 
     def for_history(self, key: ConversationKey, history: Sequence[Message]) -> SegmentIndex:
-        """Return the segment index of ``history`` (the stored transcript), extending the cached one (mutates)."""
+        """Return the segment index of ``history``, extending (or rebuilding) the cached one (mutates the cache)."""
+        prints = _fingerprints(history)
         with self._lock:
             entry = self._entries.get(key)
-            if entry is None or not _still_valid(entry, history):
-                entry = _Entry(SegmentIndex(), "", "")
-                self._entries[key] = entry
+            shared = 0 if entry is None else min(len(entry.prints), len(prints))
+            if entry is None or entry.prints[:shared] != prints[:shared]:
+                entry = self._entries[key] = _Entry()
             self._entries.move_to_end(key)
             while len(self._entries) > self._max:
                 self._entries.popitem(last=False)
-            done = entry.index.messages
-            if done < len(history):
+            done = len(entry.prints)
+            if done < len(prints):
                 entry.index.extend(history[done:])
-                entry.first, entry.last = history[0]["content"], history[-1]["content"]
+                entry.prints.extend(prints[done:])
             return entry.index.limited_to(len(history))
 
     def forget(self, key: ConversationKey) -> None:
         """Drop the entry of one conversation."""
         with self._lock:
             self._entries.pop(key, None)
-
-
-def _still_valid(entry: _Entry, history: Sequence[Message]) -> bool:
-    done = entry.index.messages
-    if done == 0:
-        return True
-    if done > len(history):
-        return False
-    return history[0]["content"] == entry.first and history[done - 1]["content"] == entry.last

@@ -52,3 +52,12 @@ def test_grows_from_an_empty_transcript_without_rebuilding() -> None:
     assert first.messages == 2 and second.messages == 4 and third.messages == 4
     assert third.holder(SENTENCE_A) is not None and third.holder(SENTENCE_B) is not None
     assert cache._entries[KEY].index is built  # extended in place, never rebuilt
+
+
+def test_edited_history_is_reindexed() -> None:
+    cache = SegmentCache()
+    original = user_turn(SENTENCE_A) + user_turn(SENTENCE_B)
+    cache.for_history(KEY, original)
+    edited = user_turn("Charlie sentence that is certainly long enough.") + original[2:]
+    view = cache.for_history(KEY, edited)
+    assert view.holder(SENTENCE_A) is None and view.holder(SENTENCE_B) is not None
