@@ -23,7 +23,7 @@ from cpmemory.core.blocks import Block, normalize_blocks
 from cpmemory.errors import EngineError, InvalidInputError, ReservationError, StoreUnavailableError
 from cpmemory.routing.chain_of_agents import completion_text, usage_tokens
 from cpmemory.routing.dispatch import Dispatcher, DispatchResult, StreamDispatch
-from cpmemory.routing.router import conversation_affinity_key
+from cpmemory.routing.router import RouteDecision, conversation_affinity_key
 from cpmemory.server.metrics import ProxyMetrics
 from cpmemory.server.schemas import ChatCompletionRequest, ChatMessage
 from cpmemory.server.sse import SseCollector
@@ -150,7 +150,7 @@ class ProxyService:
         request_id = "cpm-" + uuid.uuid4().hex
         payload = self.engine_payload(request, None, request_id, tenant)
         result = await self.dispatcher.complete(prefix_key(tenant, request), payload, {"X-Request-Id": request_id})
-        self._count_engine(result.decision.index, result.failovers, result.response.get("usage"))
+        self._count_engine(result.decision, result.failovers, result.response.get("usage"))
         return result
 
     async def open_pass_through_stream(self, request: ChatCompletionRequest, tenant: str) -> StreamDispatch:
@@ -175,7 +175,7 @@ class ProxyService:
         committed = await self.commit(prepared, completion_text(result.response))
         if committed and self.kv_sync is not None:
             self.kv_sync.register_later(result.decision.index, request_id, payload, tenant)
-        self._count_engine(result.decision.index, result.failovers, result.response.get("usage"))
+        self._count_engine(result.decision, result.failovers, result.response.get("usage"))
         overhead = time.perf_counter() - started - result.engine_seconds
         info = self.turn_info(turn, prepared, result.decision, result.failovers, result.response.get("usage"),
                               committed, overhead)
@@ -219,7 +219,7 @@ class ProxyService:
                 await self.commit(prepared, collector.answer)
             else:
                 await self.abort(prepared)
-        self._count_engine(opened.decision.index, opened.failovers, collector.usage)
+        self._count_engine(opened.decision, opened.failovers, collector.usage)
         self.metrics.overhead.observe(overhead_s + time.perf_counter() - started)
 
     async def commit(self, prepared: Any, answer: str) -> bool:
@@ -262,13 +262,15 @@ class ProxyService:
             "committed": committed, "overhead_ms": round(max(0.0, overhead_s) * 1000, 3),
         }
 
-    def _count_engine(self, replica: int, failovers: int, usage: Any) -> None:
+    def _count_engine(self, decision: RouteDecision, failovers: int, usage: Any) -> None:
         prompt_tokens, cached_tokens = usage_tokens({"usage": usage})
         self.metrics.prompt_tokens.inc(prompt_tokens)
         self.metrics.cached_tokens.inc(cached_tokens)
-        self.metrics.requests.labels(replica=str(replica), outcome="ok").inc()
+        self.metrics.requests.labels(replica=str(decision.index), outcome="ok").inc()
         if failovers:
             self.metrics.fallbacks.labels(kind="engine").inc(failovers)
+        if decision.reason == "load":
+            self.metrics.fallbacks.labels(kind="load").inc()
         self.metrics.healthy_replicas.set(self.dispatcher.router.healthy_count())
 
 

@@ -202,3 +202,21 @@ async def test_stream_fails_over_before_the_first_byte_and_in_flight_returns_to_
     assert [status.in_flight for status in proxy.service.dispatcher.router.status()] == [0, 0]
     third = await proxy.client.post("/v1/chat/completions", json=turn_body("sf", "q3", BLOCKS_2))
     assert third.json()["cpmemory"]["turn"] == 3  # the streamed turn was committed
+
+
+async def test_overloaded_replica_sheds_to_the_least_loaded(make_proxy) -> None:
+    from cpmemory.routing.router import RouterConfig
+
+    proxy = make_proxy(router=RouterConfig(balance_abs_threshold=2, balance_rel_threshold=1.5))
+    first = await proxy.client.post("/v1/chat/completions", json=turn_body("busy", "q1", BLOCKS_1))
+    home = first.json()["cpmemory"]["replica"]
+    router = proxy.service.dispatcher.router
+    for _ in range(3):  # three requests still in flight on the home replica
+        router.begin(router.urls[home])
+    shed = await proxy.client.post("/v1/chat/completions", json=turn_body("busy", "q2", BLOCKS_1))
+    assert shed.json()["cpmemory"]["replica"] != home and shed.json()["cpmemory"]["route_reason"] == "load"
+    assert 'cpmemory_fallbacks_total{kind="load"} 1.0' in (await proxy.client.get("/metrics")).text
+    for _ in range(3):
+        router.end(router.urls[home])
+    back = await proxy.client.post("/v1/chat/completions", json=turn_body("busy", "q3", BLOCKS_1))
+    assert back.json()["cpmemory"]["replica"] == home
