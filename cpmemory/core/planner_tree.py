@@ -182,11 +182,11 @@ def build_core_tree(contexts: Sequence[Context], weights: Mapping[Hashable, floa
 
 
 def core_tree_orders(tree: CoreTree, contexts: Sequence[Context], ranks: Mapping[Hashable, int],
-                     popularity: Mapping[Hashable, float]) -> list[list[Hashable]]:
+                     priority: Mapping[Hashable, float]) -> list[list[Hashable]]:
     """Each request's block order: its ancestors' cores top-down, then its own remaining blocks in input order.
 
-    Within a node, newly placed blocks go by decreasing ``popularity`` (token-weighted retrieval count), so sibling
-    subtrees that add the same block tend to agree on its position.
+    Within a node, newly placed blocks go by decreasing ``priority`` (ties: first appearance), one order for the
+    whole batch, so sibling subtrees that add the same block tend to agree on its position.
     """
     orders: list[list[Hashable]] = [[] for _ in contexts]
     stack: list[tuple[int, list[Hashable]]] = [(root, []) for root in tree.roots()]
@@ -196,7 +196,7 @@ def core_tree_orders(tree: CoreTree, contexts: Sequence[Context], ranks: Mapping
             orders[node] = prefix + remaining_blocks(contexts[node], prefix)
             continue
         placed = set(prefix)
-        added = sorted(tree.core[node] - placed, key=lambda block: (-popularity[block], ranks[block]))
+        added = sorted(tree.core[node] - placed, key=lambda block: (-priority.get(block, 0.0), ranks[block]))
         children = tree.children[node]
         assert children is not None
         stack.extend((child, prefix + added) for child in children)
