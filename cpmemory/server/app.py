@@ -140,6 +140,8 @@ def create_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(_: Any) -> AsyncIterator[None]:
+        import cpmemory.core.index  # noqa: F401 - warm the index code now, not on the first request
+
         stop = asyncio.Event()
         probe = asyncio.create_task(dispatcher.probe_forever(stop))
         if config.kv_events:
