@@ -120,3 +120,23 @@ def test_failed_model_call_aborts_the_turn() -> None:
         graph.invoke({"question": "chart"}, config)
     assert len(retriever.pending) == 0
     assert retriever.memory.counters.snapshot()["aborts"] == 1
+
+
+def test_retriever_inside_a_node_picks_up_the_thread_id_without_config() -> None:
+    from langgraph.graph import END, START, StateGraph
+
+    store = InMemoryVectorStore(DeterministicFakeEmbedding(size=16))
+    store.add_documents([Document(page_content=text, id=f"f{i}") for i, text in enumerate(TEXTS)])
+    retriever = CpMemoryRetriever(retriever=store.as_retriever(search_kwargs={"k": 3}), memory=CpMemory())
+
+    def my_node(state: dict[str, Any]) -> dict[str, Any]:  # a user's own node: no config parameter
+        return {"documents": retriever.invoke(state["question"])}
+
+    builder: Any = StateGraph(dict)
+    builder.add_node("mine", my_node)
+    builder.add_edge(START, "mine")
+    builder.add_edge("mine", END)
+    graph = builder.compile(checkpointer=InMemorySaver())
+    state = graph.invoke({"question": "globe"}, {"configurable": {"thread_id": "implicit"}})
+    assert {d.metadata["cpmemory"]["conversation_id"] for d in state["documents"]} == {"implicit"}
+    assert retriever.pending.get("implicit") is not None
