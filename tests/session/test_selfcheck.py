@@ -22,3 +22,10 @@ def test_cli_prints_json(capsys) -> None:
 
     main(["--conversations", "2", "--turns", "2", "--json"])
     assert json.loads(capsys.readouterr().out)["violations"] == 0
+
+
+def test_given_history_decides_like_the_stored_transcript() -> None:
+    stored = run(conversations=5, turns=5, k=10, seed=4)
+    given = run(conversations=5, turns=5, k=10, seed=4, given_history=True)
+    assert given.violations == 0
+    assert (given.referenced, given.partial, given.changed) == (stored.referenced, stored.partial, stored.changed)
