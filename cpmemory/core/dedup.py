@@ -20,8 +20,9 @@ For each block of a request, in relevance order, the first rule that applies dec
    the other segments are sent, with a line naming the label(s) whose text holds the rest.
 6. **new**: anything else, sent in full.
 
-Everything here is pure (no IO, no mutation of inputs). ``decide`` is O(k) for k blocks when no history segments are
-given; with segments it adds O(len(text)) per candidate block.
+``decide``, ``partial_overlap`` and ``split_segments`` are pure (no IO, no mutation of inputs); only
+``SegmentIndex.extend`` mutates its own index. ``decide`` is O(k) for k blocks when no history segments are given;
+with segments it adds O(len(text)) per candidate block.
 """
 
 from __future__ import annotations
