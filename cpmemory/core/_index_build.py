@@ -77,6 +77,13 @@ class ClusterForest:
         self.distances.append(distance)
         return len(self.children) - 1
 
+    def add_pairs(self, pairs: list[list[int]], distances: list[float]) -> None:
+        """Create one cluster per pair of existing clusters (a batch of :meth:`add`)."""
+        contents = self.contents
+        self.children.extend(pairs)
+        contents.extend([contents[a] & contents[b] for a, b in pairs])
+        self.distances.extend(distances)
+
 
 def cluster(
     encoded: EncodedContexts, options: BuildOptions, leaf_sets: Sequence[frozenset[Hashable]] | None = None
@@ -145,7 +152,9 @@ def _candidate_edges(
     pair_keys, shared = np.unique(np.concatenate(lefts) * n + np.concatenate(rights), return_counts=True)
     left, right = pair_keys // n, pair_keys % n
     # Exact distances only for each context's pairs sharing the most selective blocks, then the nearest of those.
-    left, right, _ = _nearest(left, right, -shared.astype(np.float64), n, 2 * options.neighbors)
+    left, right, _ = _nearest(
+        left, right, -np.minimum(shared, 32767).astype(np.int16), n, 2 * options.neighbors
+    )
     dist = pair_distances(encoded, left, right, options.alpha)
     return _nearest(left, right, dist, n, options.neighbors)
 
@@ -153,11 +162,13 @@ def _candidate_edges(
 def _nearest(
     left: np.ndarray, right: np.ndarray, dist: np.ndarray, n: int, neighbors: int
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Keep the edges that are among the ``neighbors`` nearest of either endpoint."""
+    """Keep the edges that are among the ``neighbors`` nearest (lowest ``dist``) of either endpoint."""
     both_from = np.concatenate([left, right])
     both_dist = np.concatenate([dist, dist])
     edge = np.concatenate([np.arange(left.size), np.arange(left.size)])
-    order = np.argsort(both_dist, kind="stable")  # nearest first, ties by edge order (stable sorts) ...
+    order = np.argsort(
+        both_dist, kind="stable"
+    )  # nearest first, ties by edge order (radix sort for int16) ...
     order = order[np.argsort(both_from[order], kind="stable")]  # ... within each context
     starts = np.searchsorted(both_from[order], np.arange(n))
     rank = np.arange(order.size) - starts[both_from[order]]
@@ -186,12 +197,12 @@ def _sparse_average_linkage(
         pairs, merge_distance = _reciprocal_nearest(first, second, excess, size)
         if pairs.size == 0:
             break
-        for (a, b), distance in zip(pairs.tolist(), merge_distance.tolist()):
-            merged = forest.add([a, b], distance)
-            size[merged] = size[a] + size[b]
-            label[a] = label[b] = merged
-            alive[a] = alive[b] = False
-            alive[merged] = True
+        merged = np.arange(len(forest.children), len(forest.children) + len(pairs))
+        forest.add_pairs(pairs.tolist(), merge_distance.tolist())
+        size[merged] = size[pairs[:, 0]] + size[pairs[:, 1]]
+        label[pairs[:, 0]] = label[pairs[:, 1]] = merged
+        alive[pairs.ravel()] = False
+        alive[merged] = True
         first, second, excess = _relabel_edges(first, second, excess, label, 2 * n)
     forest.roots = np.nonzero(alive[: len(forest.children)])[0].tolist()
 
