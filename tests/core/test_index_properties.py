@@ -184,3 +184,18 @@ def test_the_sparse_build_keeps_close_contexts_together() -> None:
     for family_number in range(40):
         paths = {index.lookup(family_number * 5 + i).path[:1] for i in range(5)}  # type: ignore[union-attr]
         assert len(paths) == 1  # the five members of a family sit under one top-level node
+
+
+@pytest.mark.parametrize("arguments", [{"alpha": -0.1}, {"alpha": 1.0}, {"max_leaves": 0}])
+def test_bad_settings_are_rejected(arguments: dict[str, float]) -> None:
+    with pytest.raises(InvalidInputError):
+        ContextIndex(**arguments)  # type: ignore[arg-type]
+
+
+def test_search_counts_accesses_along_the_path() -> None:
+    index = ContextIndex.build([[1, 2, 3], [1, 2, 4], [7, 8]])
+    before = index.render()
+    index.search([1, 2, 9])
+    index.search([1, 2, 9])
+    after = index.render()
+    assert before != after and "hits 2" in after
