@@ -14,7 +14,7 @@ MAX_LINE_BYTES = 8 * 1024 * 1024
 class SseCollector:
     """Accumulates ``choices[0].delta.content`` and the last ``usage`` of a chat completion stream. O(bytes)."""
 
-    __slots__ = ("_buffer", "_parts", "usage", "done", "finished", "broken")
+    __slots__ = ("_buffer", "_parts", "broken", "done", "finished", "usage")
 
     def __init__(self) -> None:
         """Start with an empty buffer."""
