@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Hashable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from cpmemory.core._index_build import BuildOptions, NodeIds, assemble, cluster
 from cpmemory.core._index_node import IndexNode, aligned
@@ -129,7 +129,8 @@ class ContextIndex:
     ) -> ContextIndex:
         """Build an index from a batch of contexts (offline clustering; see :mod:`cpmemory.core._index_build`).
 
-        ``request_ids`` default to ``0..N-1``. Contexts with the same set of blocks share a leaf. Pure with respect
+        ``request_ids`` default to ``0..N-1``. Contexts with the same set of blocks share a leaf. ``options`` tune
+        the clustering (their ``alpha`` is replaced by ``alpha``). Pure with respect
         to its inputs; returns a new index.
         """
         index = cls(alpha, max_leaves)
@@ -150,7 +151,9 @@ class ContextIndex:
             index._leaf_of[request_id] = index._root  # reserve the id; replaced below
         if leaf_keys:
             encoded = encode_contexts(leaf_keys, deduplicated=True)
-            forest = cluster(encoded, options or BuildOptions(alpha=alpha), list(groups))
+            forest = cluster(
+                encoded, replace(options, alpha=alpha) if options else BuildOptions(alpha=alpha), list(groups)
+            )
             index._adopt(assemble(forest, leaf_keys, leaf_ids, index._new_id))
             exact = forest.exact
         else:
