@@ -70,3 +70,16 @@ def test_contextpilot_wrapper_returns_permutations_and_an_order():
     for before, after in zip(contexts, plan.contexts):
         assert sorted(before) == sorted(after)
     assert plan_with_contextpilot(contexts) == plan  # a fresh instance each run: same result
+
+
+def test_replay_degrades_when_the_peer_package_is_missing(monkeypatch):
+    import sys
+
+    from cpmemory.bench.loaders import load_synthetic
+    from cpmemory.bench.replay import ReplaySettings, run_replay
+
+    monkeypatch.setitem(sys.modules, "contextpilot.server.live_index", None)  # import now fails
+    trace = load_synthetic(requests=10, blocks_per_request=3, corpus_size=10)
+    report = run_replay(trace, ReplaySettings(strategies=("original", "contextpilot")))
+    assert set(report.results) == {"original"}
+    assert "contextpilot" in report.unavailable and "pip install" in report.unavailable["contextpilot"]
