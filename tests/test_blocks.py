@@ -71,3 +71,9 @@ def test_normalize_is_order_preserving_and_unique(pairs):
     for i, t in pairs:
         first_text.setdefault(i, t)
     assert all(b.text == first_text[b.id] for b in blocks)
+
+
+@pytest.mark.parametrize("bad", [False, 3, 2.5, None, object()])
+def test_normalize_rejects_non_iterables_with_a_typed_error(bad):
+    with pytest.raises(InvalidBlockError):
+        normalize_blocks(bad)

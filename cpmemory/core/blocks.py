@@ -93,6 +93,8 @@ def normalize_blocks(values: Iterable[BlockLike]) -> list[Block]:
     """
     if isinstance(values, (str, bytes, Mapping)):
         raise InvalidBlockError("blocks must be a list of blocks, not a single string or mapping")
+    if not isinstance(values, Iterable):
+        raise InvalidBlockError(f"blocks must be a list of blocks, got {type(values).__name__}")
     seen: set[str] = set()
     out: list[Block] = []
     for value in values:

@@ -67,8 +67,6 @@ def test_block_ids_never_reach_the_prompt(suffix: str, text: str) -> None:
         assert INJECTION not in prompt
 
 
-@pytest.mark.xfail(strict=True, reason="normalize_blocks raises TypeError, not InvalidBlockError, on a non-iterable "
-                   "(cpmemory/core/blocks.py, reported to the lead)")
 @pytest.mark.parametrize("blocks", [False, 3, 2.5])
 def test_non_iterable_blocks_are_a_typed_error(blocks) -> None:
     with pytest.raises(InvalidInputError):
