@@ -333,7 +333,10 @@ def assemble(
                 node.child_index = None  # deferred to the first search through this node
                 node.merge_distance = forest.distances[child]
                 stack.append((forest.children[child], node))
-            parent.add_child(node)
+            slot = parent.next_slot  # parent.add_child(node), inlined: the parent's child index is deferred
+            node.parent, node.slot = parent, slot
+            parent.children[slot] = node
+            parent.next_slot = slot + 1
     return root
 
 
