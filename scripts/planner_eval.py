@@ -10,6 +10,7 @@ session's history (earlier turns' prompts and answers), identically for every st
 workload's unique tokens. The official figures come from ``cpmemory bench replay``; this script is the planner's
 development harness.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,8 +26,10 @@ from cpmemory.core.blocks import content_hash, label_for_hash
 from cpmemory.core.planner import plan_batch
 from cpmemory.engines.simulator import PrefixCacheSimulator
 
-SYSTEM = ("You are a helpful assistant. Answer the question using the documents below. Cite documents by their "
-          "labels. If the documents do not contain the answer, say so.\n\n")
+SYSTEM = (
+    "You are a helpful assistant. Answer the question using the documents below. Cite documents by their "
+    "labels. If the documents do not contain the answer, say so.\n\n"
+)
 
 Plan = tuple[list[int], list[list[str]]]
 
@@ -97,18 +100,49 @@ def contextpilot(contexts: list[list[str]], sessions: Sequence[str] | None = Non
     return list(indices), planned
 
 
-def planner(contexts: list[list[str]], sessions: Sequence[str] | None = None,
-            token_counts: dict[str, int] | None = None) -> Plan:
+def planner(
+    contexts: list[list[str]],
+    sessions: Sequence[str] | None = None,
+    token_counts: dict[str, int] | None = None,
+) -> Plan:
     plan = plan_batch(contexts, sessions=sessions, token_counts=token_counts)
     return plan.order, plan.contexts
 
 
 STRATEGIES: dict[str, Callable[..., Plan]] = {
-    "original": original, "popularity": popularity, "contextpilot": contextpilot, "planner": planner,
+    "original": original,
+    "popularity": popularity,
+    "contextpilot": contextpilot,
+    "planner": planner,
 }
 
 
-def evaluate(name: str, data_dir: Path, capacity: float, mode: str, chosen: Sequence[str]) -> None:
+def _cached_contextpilot(cache_dir: Path | None, name: str) -> Callable[..., Plan]:
+    """The contextpilot strategy, memoised on disk per workload (its O(n^2) build takes minutes)."""
+    import pickle
+
+    def run(contexts: list[list[str]], **kwargs: object) -> Plan:
+        if cache_dir is None:
+            return contextpilot(contexts, **kwargs)
+        path = cache_dir / f"contextpilot_{name}.pkl"
+        if path.is_file():
+            return pickle.loads(path.read_bytes())
+        plan = contextpilot(contexts, **kwargs)
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(pickle.dumps(plan))
+        return plan
+
+    return run
+
+
+def evaluate(
+    name: str,
+    data_dir: Path,
+    capacity: float,
+    mode: str,
+    chosen: Sequence[str],
+    cache_dir: Path | None = None,
+) -> None:
     trace = load_workload(name, data_dir)
     contexts, texts = contexts_of(trace)
     sessions = [r.session for r in trace.requests] if trace.multi_turn else None
@@ -117,14 +151,17 @@ def evaluate(name: str, data_dir: Path, capacity: float, mode: str, chosen: Sequ
     print(f"{name}: {len(contexts)} requests, {len(texts)} blocks, capacity {cap} tokens ({mode})")
     for strategy in chosen:
         start = time.perf_counter()
-        plan = STRATEGIES[strategy](contexts, sessions=sessions, token_counts=token_counts)
+        run = _cached_contextpilot(cache_dir, name) if strategy == "contextpilot" else STRATEGIES[strategy]
+        plan = run(contexts, sessions=sessions, token_counts=token_counts)
         planned = time.perf_counter() - start
         assert sorted(plan[0]) == list(range(len(contexts)))
         sim = PrefixCacheSimulator(cap, mode=mode)  # type: ignore[arg-type]
         for tokens in prompts(trace, plan, texts):
             sim.run(tokens)
         stats = sim.stats
-        print(f"  {strategy:<13} hit {stats.hit_rate:6.1%}  prefill {stats.prefill_tokens:>10,}  plan {planned:.2f}s")
+        print(
+            f"  {strategy:<13} hit {stats.hit_rate:6.1%}  prefill {stats.prefill_tokens:>10,}  plan {planned:.2f}s"
+        )
 
 
 def main() -> None:
@@ -134,9 +171,10 @@ def main() -> None:
     parser.add_argument("--mode", default="radix")
     parser.add_argument("--data-dir", type=Path, default=Path("/work/shared/data"))
     parser.add_argument("--strategies", default=",".join(STRATEGIES))
+    parser.add_argument("--cache-dir", type=Path, default=None, help="memoise contextpilot's plans here")
     args = parser.parse_args()
     for name in args.workloads:
-        evaluate(name, args.data_dir, args.capacity, args.mode, args.strategies.split(","))
+        evaluate(name, args.data_dir, args.capacity, args.mode, args.strategies.split(","), args.cache_dir)
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ The split is lossless: ``"".join(pieces(text)) == text``. Concatenating two text
 Caching: piece ids are memoised (:func:`piece_id`), and :func:`tokenize_cached` memoises whole texts (block texts
 repeat across requests), returning an immutable tuple.
 """
+
 from __future__ import annotations
 
 import hashlib

@@ -34,11 +34,13 @@ Only first turns are reordered; later turns keep their block order (no other ses
 Pure (no IO, no state) and deterministic. Cost: one sparse matrix product plus O(P log P) for P candidate pairs
 (16 per request), and O(R * K * depth) for the split, for R requests of K blocks: seconds for 2,000 x 15.
 """
+
 from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
+from itertools import pairwise
 
 from cpmemory.core.planner_tree import (
     build_core_tree,
@@ -66,8 +68,9 @@ class BatchPlan:
     contexts: list[list]
 
 
-def trie_savings(orders: Sequence[Context], weights: Mapping[Hashable, float],
-                 ranks: Mapping[Hashable, int]) -> tuple[float, list[int]]:
+def trie_savings(
+    orders: Sequence[Context], weights: Mapping[Hashable, float], ranks: Mapping[Hashable, int]
+) -> tuple[float, list[int]]:
     """Return ``(tokens reused, lexicographic order)`` for the given block orders run depth-first.
 
     The tokens reused are the sum, over lexicographic neighbours, of the token weight of their common block prefix
@@ -76,7 +79,7 @@ def trie_savings(orders: Sequence[Context], weights: Mapping[Hashable, float],
     keyed = [tuple(ranks[block] for block in order) for order in orders]
     schedule = sorted(range(len(orders)), key=lambda index: (keyed[index], index))
     saved = 0.0
-    for previous, current in zip(schedule, schedule[1:]):
+    for previous, current in pairwise(schedule):
         for a, b in zip(orders[previous], orders[current]):
             if a != b:
                 break
@@ -84,7 +87,9 @@ def trie_savings(orders: Sequence[Context], weights: Mapping[Hashable, float],
     return saved, schedule
 
 
-def _plan_units(contexts: Sequence[Context], weights: Mapping[Hashable, float]) -> tuple[list[int], list[list]]:
+def _plan_units(
+    contexts: Sequence[Context], weights: Mapping[Hashable, float]
+) -> tuple[list[int], list[list]]:
     """Plan independent requests: build both tries, keep the one that saves more; return (order, orders)."""
     ranks = first_seen_ranks(contexts)
     popularity: Counter = Counter()
@@ -121,8 +126,9 @@ def _common_prefix(a: Context, b: Context) -> int:
     return length
 
 
-def restore_unshared_tails(contexts: Sequence[Context], orders: Sequence[Context],
-                           schedule: Sequence[int]) -> list[list]:
+def restore_unshared_tails(
+    contexts: Sequence[Context], orders: Sequence[Context], schedule: Sequence[int]
+) -> list[list]:
     """Put back in retrieval order every block that no schedule neighbour shares as a prefix. Pure; O(R K).
 
     Under the lexicographic schedule a request reuses its common prefix with its predecessor and lends its common
@@ -130,7 +136,7 @@ def restore_unshared_tails(contexts: Sequence[Context], orders: Sequence[Context
     that shares nothing gets its input order back, and its prompt needs no order annotation.
     """
     shared = [0] * len(orders)
-    for previous, current in zip(schedule, schedule[1:]):
+    for previous, current in pairwise(schedule):
         length = _common_prefix(orders[previous], orders[current])
         shared[previous] = max(shared[previous], length)
         shared[current] = max(shared[current], length)

@@ -20,6 +20,7 @@ because entering each child after the first reuses the whole prefix ``core(v)``.
 
 Both are pure and deterministic (ties break on indices and first appearance).
 """
+
 from __future__ import annotations
 
 import heapq
@@ -53,8 +54,12 @@ def remaining_blocks(context: Context, prefix: Sequence[Hashable]) -> list[Hasha
     return out
 
 
-def best_partners(contexts: Sequence[Context], weights: Mapping[Hashable, float], ranks: Mapping[Hashable, int],
-                  partners: int) -> list[tuple[float, int, int]]:
+def best_partners(
+    contexts: Sequence[Context],
+    weights: Mapping[Hashable, float],
+    ranks: Mapping[Hashable, int],
+    partners: int,
+) -> list[tuple[float, int, int]]:
     """Return ``(overlap, i, j)`` pairs, i < j, for each request's ``partners`` largest overlaps (token-weighted).
 
     One sparse product ``W @ B.T`` (W: request x block token weights, B: 0/1 membership). O(nnz of the product).
@@ -154,8 +159,12 @@ class CoreTree:
         return [node for node, parent in enumerate(self.parent) if parent is None]
 
 
-def build_core_tree(contexts: Sequence[Context], weights: Mapping[Hashable, float], ranks: Mapping[Hashable, int],
-                    partners: int = 16) -> CoreTree:
+def build_core_tree(
+    contexts: Sequence[Context],
+    weights: Mapping[Hashable, float],
+    ranks: Mapping[Hashable, int],
+    partners: int = 16,
+) -> CoreTree:
     """Grow a :class:`CoreTree` by lazy Kruskal over the best partner pairs (see module docstring).
 
     Complexity: O(P log P) heap work for P candidate pairs (at most ``partners`` per request), each pop O(depth * K).
@@ -170,8 +179,11 @@ def build_core_tree(contexts: Sequence[Context], weights: Mapping[Hashable, floa
             continue
         gain_i, target_i, shared_i = tree.plan_join(root_i, j)
         gain_j, target_j, shared_j = tree.plan_join(root_j, i)
-        gain, joining, target, shared = max((gain_i, -root_i, target_i, shared_i), (gain_j, -root_j, target_j, shared_j),
-                                            key=lambda option: option[:2])
+        gain, joining, target, shared = max(
+            (gain_i, -root_i, target_i, shared_i),
+            (gain_j, -root_j, target_j, shared_j),
+            key=lambda option: option[:2],
+        )
         if gain <= 0:
             continue
         if heap and gain < -heap[0][0]:
@@ -181,8 +193,12 @@ def build_core_tree(contexts: Sequence[Context], weights: Mapping[Hashable, floa
     return tree
 
 
-def core_tree_orders(tree: CoreTree, contexts: Sequence[Context], ranks: Mapping[Hashable, int],
-                     priority: Mapping[Hashable, float]) -> list[list[Hashable]]:
+def core_tree_orders(
+    tree: CoreTree,
+    contexts: Sequence[Context],
+    ranks: Mapping[Hashable, int],
+    priority: Mapping[Hashable, float],
+) -> list[list[Hashable]]:
     """Each request's block order: its ancestors' cores top-down, then its own remaining blocks in input order.
 
     Within a node, newly placed blocks go by decreasing ``priority`` (ties: first appearance), one order for the
@@ -203,8 +219,9 @@ def core_tree_orders(tree: CoreTree, contexts: Sequence[Context], ranks: Mapping
     return orders
 
 
-def build_split_orders(contexts: Sequence[Context], weights: Mapping[Hashable, float],
-                       ranks: Mapping[Hashable, int]) -> list[list[Hashable]]:
+def build_split_orders(
+    contexts: Sequence[Context], weights: Mapping[Hashable, float], ranks: Mapping[Hashable, int]
+) -> list[list[Hashable]]:
     """Top-down conditional-frequency partition (see module docstring); returns each request's block order."""
     prefixes: list[list[Hashable]] = [[] for _ in contexts]
     stack = [list(range(len(contexts)))]
@@ -228,7 +245,9 @@ def build_split_orders(contexts: Sequence[Context], weights: Mapping[Hashable, f
     return [prefix + remaining_blocks(context, prefix) for prefix, context in zip(prefixes, contexts)]
 
 
-def _most_saving(counts: Counter, weights: Mapping[Hashable, float], ranks: Mapping[Hashable, int]) -> Hashable | None:
+def _most_saving(
+    counts: Counter, weights: Mapping[Hashable, float], ranks: Mapping[Hashable, int]
+) -> Hashable | None:
     """The block held by >= 2 requests maximising ``(holders - 1) * tokens``; ties: more holders, earlier rank."""
     best, best_key = None, None
     for block, holders in counts.items():

@@ -28,6 +28,7 @@ objects); eviction uses a lazy heap (stale entries are skipped when popped) inst
 The vLLM model digests all full blocks of a prompt in one numpy call (a 64-bit random linear hash of the block's
 tokens, wrapping arithmetic) and chains the digests in Python (one tuple hash per block), O(tokens) per request.
 """
+
 from __future__ import annotations
 
 import heapq
@@ -79,7 +80,7 @@ class SimulatorStats:
 class _RadixNode:
     """One radix-tree node: the token run on the edge from its parent, its children and last access tick."""
 
-    __slots__ = ("key", "children", "parent", "tick", "alive")
+    __slots__ = ("alive", "children", "key", "parent", "tick")
 
     def __init__(self, key: np.ndarray, parent: _RadixNode | None, tick: int) -> None:
         self.key = key
@@ -203,7 +204,9 @@ class _VllmCache:
         self.free: OrderedDict[int, None] = OrderedDict()  # cached blocks with no running request, LRU first
         self.evicted = 0
         # odd 64-bit weights from a fixed seed: the block digest is deterministic across runs and machines
-        self.weights = np.random.default_rng(0x5EED).integers(0, 1 << 63, size=block_size, dtype=np.uint64) | 1
+        self.weights = (
+            np.random.default_rng(0x5EED).integers(0, 1 << 63, size=block_size, dtype=np.uint64) | 1
+        )
 
     @property
     def used(self) -> int:
@@ -260,7 +263,9 @@ class PrefixCacheSimulator:
         (0, 3)
     """
 
-    def __init__(self, capacity_tokens: int, *, mode: SimulatorMode = "radix", page_size: int | None = None) -> None:
+    def __init__(
+        self, capacity_tokens: int, *, mode: SimulatorMode = "radix", page_size: int | None = None
+    ) -> None:
         """Create an empty cache.
 
         Args:
@@ -276,7 +281,9 @@ class PrefixCacheSimulator:
         if page_size is None:
             page_size = 1 if mode == "radix" else DEFAULT_VLLM_BLOCK_SIZE
         if capacity_tokens < 0 or page_size < 1:
-            raise InvalidInputError(f"need capacity_tokens >= 0 and page_size >= 1, got {capacity_tokens}, {page_size}")
+            raise InvalidInputError(
+                f"need capacity_tokens >= 0 and page_size >= 1, got {capacity_tokens}, {page_size}"
+            )
         self.capacity_tokens = int(capacity_tokens)
         self.mode: SimulatorMode = mode
         self.page_size = int(page_size)

@@ -1,4 +1,5 @@
 """The offline batch planner: permutations, session order, determinism, and hits in the simulator."""
+
 from __future__ import annotations
 
 from collections import Counter
@@ -41,7 +42,9 @@ def test_plan_is_a_permutation_of_every_context_and_of_the_batch(contexts: list[
 
 @settings(max_examples=100, deadline=None)
 @given(contexts_strategy, st.data())
-def test_sessions_keep_turn_order_and_run_back_to_back(contexts: list[list[int]], data: st.DataObject) -> None:
+def test_sessions_keep_turn_order_and_run_back_to_back(
+    contexts: list[list[int]], data: st.DataObject
+) -> None:
     sessions = [data.draw(st.sampled_from("abcd")) for _ in contexts]
     plan = plan_batch(contexts, sessions=sessions)
     assert sorted(plan.order) == list(range(len(contexts)))

@@ -1,4 +1,5 @@
 """The prefix-tree builders behind the planner."""
+
 from __future__ import annotations
 
 from collections import Counter
@@ -22,9 +23,8 @@ def _tree_value(tree, weights) -> float:
     total = 0.0
     for node in range(tree.requests, len(tree.core)):
         children = tree.children[node]
-        if tree.parent[node] is None or children is not None:
-            if children:
-                total += (len(children) - 1) * tree.weight(tree.core[node])
+        if children:
+            total += (len(children) - 1) * tree.weight(tree.core[node])
     return total
 
 

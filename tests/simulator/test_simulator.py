@@ -1,4 +1,5 @@
 """Hand-checked behaviour of the prefix-cache simulator (both modes)."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -154,7 +155,9 @@ def test_radix_with_room_matches_brute_force(requests: list[list[int]], page: in
     st.integers(0, 30),
     st.sampled_from(["radix", "vllm"]),
 )
-def test_capacity_is_respected_and_hits_are_bounded(requests: list[list[int]], capacity: int, mode: str) -> None:
+def test_capacity_is_respected_and_hits_are_bounded(
+    requests: list[list[int]], capacity: int, mode: str
+) -> None:
     sim = PrefixCacheSimulator(capacity, mode=mode, page_size=2)  # type: ignore[arg-type]
     for request in requests:
         hit = sim.run(np.array(request))

@@ -1,4 +1,5 @@
 """The deterministic benchmark tokenizer."""
+
 from __future__ import annotations
 
 from hypothesis import given, settings
@@ -45,7 +46,9 @@ def test_render_chat_is_chatml() -> None:
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.lists(st.tuples(st.sampled_from(["system", "user", "assistant"]), st.text(max_size=60)), max_size=5))
+@given(
+    st.lists(st.tuples(st.sampled_from(["system", "user", "assistant"]), st.text(max_size=60)), max_size=5)
+)
 def test_tokenize_chat_equals_tokenizing_the_rendered_prompt(turns: list[tuple[str, str]]) -> None:
     messages = [{"role": role, "content": content} for role, content in turns]
     assert tokenizer.tokenize_chat(messages) == tokenizer.tokenize(tokenizer.render_chat(messages))
