@@ -32,6 +32,7 @@ from typing import Any
 
 from cpmemory.core.blocks import BlockLike, normalize_blocks
 from cpmemory.errors import InvalidInputError, StoreUnavailableError, UnknownReservationError
+from cpmemory.session.batch import plan_contexts
 from cpmemory.session.config import CpMemoryConfig
 from cpmemory.session.counters import FacadeCounters
 from cpmemory.session.index import Placement, TenantIndexes
@@ -181,13 +182,11 @@ class _FacadeCore:
         Returns:
             The execution order, each request's reordered block ids and index request ids.
         """
-        from cpmemory.session.batch import plan_contexts
-
         if isinstance(requests, (str, bytes, Mapping)):
             raise InvalidInputError("requests must be a list of block lists")
         ConversationKey(tenant, "batch")  # validates the tenant id (InvalidIdentifierError)
         block_lists = [normalize_blocks(blocks) for blocks in requests]
-        order, id_lists = plan_contexts(block_lists, self.config.alpha)
+        order, id_lists = plan_contexts(block_lists)
         request_ids: list[str] = []
         for blocks, ids in zip(block_lists, id_lists):
             request_ids.append(self._insert_planned(tenant, blocks, ids))

@@ -28,7 +28,7 @@ class CpMemoryConfig(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    alpha: float = Field(0.001, ge=0.0, le=1.0)
+    alpha: float = Field(0.001, ge=0.0, lt=1.0)
     system_prompt: str = DEFAULT_SYSTEM_PROMPT
     reservation_timeout_s: float = Field(120.0, gt=0.0)
     ttl_s: float | None = Field(24 * 3600.0, gt=0.0)

@@ -1,76 +1,16 @@
-"""Per-tenant context indexes behind a small seam.
+"""Per-tenant context indexes.
 
-The facade keeps one index per tenant (a tenant never sees another tenant's prefixes). The index is
-``cpmemory.core.index.ContextIndex`` when that module is importable; otherwise a flat fallback that never finds a
-shared prefix (relevance order is kept), so the facade works whatever is installed. Each tenant's index is bounded
-by ``max_leaves`` (ContextIndex evicts its least recently used leaf; the fallback its oldest request).
+The facade keeps one ``cpmemory.core.index.ContextIndex`` per tenant (a tenant never sees another tenant's
+prefixes), each bounded by ``max_leaves`` (the index evicts its least recently used leaf).
 """
 
 from __future__ import annotations
 
-import logging
 import threading
-from collections import OrderedDict
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
 
-logger = logging.getLogger(__name__)
-
-
-class IndexLike(Protocol):
-    """The part of ContextIndex the facade uses."""
-
-    def search(self, context: Sequence[Hashable]) -> Any: ...
-
-    def insert(self, context: Sequence[Hashable], request_id: str) -> Any: ...
-
-    def evict(self, request_id: str) -> bool: ...
-
-    def __len__(self) -> int: ...
-
-
-@dataclass(frozen=True, slots=True)
-class _FlatResult:
-    path: tuple[int, ...] = ()
-    prefix: tuple[Hashable, ...] = ()
-    evicted: tuple[Hashable, ...] = ()
-
-
-class FlatIndex:
-    """Fallback index: remembers request ids (oldest dropped past ``max_leaves``), never finds a shared prefix."""
-
-    def __init__(self, max_leaves: int | None = None) -> None:
-        self._requests: OrderedDict[Hashable, tuple[Hashable, ...]] = OrderedDict()
-        self._max_leaves = max_leaves
-
-    def search(self, context: Sequence[Hashable]) -> _FlatResult:
-        """Return an empty prefix (keep the relevance order)."""
-        return _FlatResult()
-
-    def insert(self, context: Sequence[Hashable], request_id: str) -> _FlatResult:
-        """Remember ``request_id`` (mutates), dropping the oldest requests past the cap."""
-        self._requests[request_id] = tuple(context)
-        evicted: list[Hashable] = []
-        while self._max_leaves is not None and len(self._requests) > self._max_leaves:
-            evicted.append(self._requests.popitem(last=False)[0])
-        return _FlatResult(evicted=tuple(evicted))
-
-    def evict(self, request_id: str) -> bool:
-        """Forget ``request_id``; False when unknown."""
-        return self._requests.pop(request_id, None) is not None
-
-    def __len__(self) -> int:
-        return len(self._requests)
-
-
-def make_index(alpha: float, max_leaves: int | None = None) -> IndexLike:
-    """Return a new empty index: CORE's ContextIndex when importable, else the flat fallback."""
-    try:
-        from cpmemory.core.index import ContextIndex
-    except ImportError:
-        return FlatIndex(max_leaves)
-    return ContextIndex(alpha=alpha, max_leaves=max_leaves)
+from cpmemory.core.index import ContextIndex
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,12 +35,12 @@ class TenantIndexes:
         self._alpha = alpha
         self._max_leaves = max_leaves
         self._lock = threading.Lock()
-        self._indexes: dict[str, IndexLike] = {}
+        self._indexes: dict[str, ContextIndex] = {}
 
-    def _index(self, tenant: str) -> IndexLike:
+    def _index(self, tenant: str) -> ContextIndex:
         index = self._indexes.get(tenant)
         if index is None:
-            index = self._indexes[tenant] = make_index(self._alpha, self._max_leaves)
+            index = self._indexes[tenant] = ContextIndex(alpha=self._alpha, max_leaves=self._max_leaves)
         return index
 
     def place(self, tenant: str, context: Sequence[Hashable], request_id: str) -> Placement:
@@ -112,11 +52,7 @@ class TenantIndexes:
             return Placement()
         with self._lock:
             result = self._index(tenant).insert(list(context), request_id)
-        return Placement(
-            tuple(getattr(result, "prefix", ()) or ()),
-            tuple(getattr(result, "path", ()) or ()),
-            tuple(getattr(result, "evicted", ()) or ()),
-        )
+        return Placement(tuple(result.prefix), tuple(result.path), tuple(result.evicted))
 
     def evict(self, tenant: str, request_ids: Iterable[str]) -> int:
         """Remove the leaves of ``request_ids`` from the tenant's index; return how many existed."""
@@ -141,9 +77,8 @@ class TenantIndexes:
             return 0 if index is None else len(index)
 
     def check_integrity(self, tenant: str) -> None:
-        """Run the tenant index's own integrity check when it has one (raises IndexIntegrityError)."""
+        """Run the tenant index's integrity check (raises IndexIntegrityError); no-op for a tenant without one."""
         with self._lock:
             index = self._indexes.get(tenant)
-            check = getattr(index, "check_integrity", None)
-            if check is not None:
-                check()
+            if index is not None:
+                index.check_integrity()
