@@ -23,8 +23,10 @@ Not thread-safe: callers serialise access (the facade holds one index per tenant
 
 from __future__ import annotations
 
+import contextlib
+import gc
 from collections import OrderedDict
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Hashable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
 
 from cpmemory.core._index_build import BuildOptions, NodeIds, assemble, cluster
@@ -82,6 +84,22 @@ class BuildReport:
     nodes: int
 
 
+@contextlib.contextmanager
+def _collector_paused() -> Iterator[None]:
+    """Pause Python's cyclic garbage collector while the batch build allocates its tree (restored after).
+
+    The build creates hundreds of thousands of linked nodes; generation scans over them cost ~25% of the build and
+    free nothing (every node stays referenced). The collector's previous state is restored, even on error.
+    """
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
 def _distinct(context: Iterable[Hashable]) -> list[Hashable]:
     """Validate a context; return its keys, first occurrence wins. O(len)."""
     if isinstance(context, (str, bytes)) or not isinstance(context, Iterable):
@@ -137,27 +155,29 @@ class ContextIndex:
         ids = list(range(len(contexts))) if request_ids is None else list(request_ids)
         if len(ids) != len(contexts):
             raise InvalidInputError(f"{len(contexts)} contexts but {len(ids)} request ids")
-        prepared = [_distinct(context) for context in contexts]
-        groups: dict[frozenset[Hashable], int] = {}
-        leaf_keys: list[list[Hashable]] = []
-        leaf_ids: list[list[Hashable]] = []
-        for keys, request_id in zip(prepared, ids):
-            index._check_new_request_id(request_id)
-            group = groups.setdefault(frozenset(keys), len(leaf_keys))
-            if group == len(leaf_keys):
-                leaf_keys.append(keys)
-                leaf_ids.append([])
-            leaf_ids[group].append(request_id)
-            index._leaf_of[request_id] = index._root  # reserve the id; replaced below
-        if leaf_keys:
-            encoded = encode_contexts(leaf_keys, deduplicated=True)
-            forest = cluster(
-                encoded, replace(options, alpha=alpha) if options else BuildOptions(alpha=alpha), list(groups)
-            )
-            index._adopt(assemble(forest, leaf_keys, leaf_ids, index._new_id))
-            exact = forest.exact
-        else:
+        with _collector_paused():  # the build only allocates; see _collector_paused
+            prepared = [_distinct(context) for context in contexts]
+            groups: dict[frozenset[Hashable], int] = {}
+            leaf_keys: list[list[Hashable]] = []
+            leaf_ids: list[list[Hashable]] = []
+            for keys, request_id in zip(prepared, ids):
+                index._check_new_request_id(request_id)
+                group = groups.setdefault(frozenset(keys), len(leaf_keys))
+                if group == len(leaf_keys):
+                    leaf_keys.append(keys)
+                    leaf_ids.append([])
+                leaf_ids[group].append(request_id)
+                index._leaf_of[request_id] = index._root  # reserve the id; replaced below
             exact = True
+            if leaf_keys:
+                encoded = encode_contexts(leaf_keys, deduplicated=True)
+                forest = cluster(
+                    encoded,
+                    replace(options, alpha=alpha) if options else BuildOptions(alpha=alpha),
+                    list(groups),
+                )
+                index._adopt(assemble(forest, leaf_keys, leaf_ids, index._new_id))
+                exact = forest.exact
         index.last_build = BuildReport(len(contexts), len(leaf_keys), exact, len(index._nodes))
         return index
 
