@@ -32,6 +32,9 @@ from scipy.sparse import csr_matrix
 
 Context = Sequence[Hashable]
 
+PARTNER_ROWS_PER_CHUNK = 1024
+"""Requests whose overlaps are computed in one sparse product (bounds memory on dense overlap graphs)."""
+
 
 def first_seen_ranks(contexts: Sequence[Context]) -> dict[Hashable, int]:
     """Rank of each block by first appearance in the batch (a deterministic, total tie-break)."""
@@ -62,7 +65,9 @@ def best_partners(
 ) -> list[tuple[float, int, int]]:
     """Return ``(overlap, i, j)`` pairs, i < j, for each request's ``partners`` largest overlaps (token-weighted).
 
-    One sparse product ``W @ B.T`` (W: request x block token weights, B: 0/1 membership). O(nnz of the product).
+    Sparse products ``W @ B.T`` (W: request x block token weights, B: 0/1 membership), computed for
+    :data:`PARTNER_ROWS_PER_CHUNK` requests at a time, so memory stays O(chunk x requests) even when popular blocks
+    make the overlap matrix dense. Time O(nnz of the product).
     """
     rows, cols, values = [], [], []
     for index, context in enumerate(contexts):
@@ -72,19 +77,21 @@ def best_partners(
             values.append(float(weights.get(block, 1.0)))
     shape = (len(contexts), len(ranks))
     weighted = csr_matrix((values, (rows, cols)), shape=shape)
-    member = csr_matrix((np.ones(len(rows)), (rows, cols)), shape=shape)
-    overlap = (weighted @ member.T).tocsr()
+    member_t = csr_matrix((np.ones(len(rows)), (rows, cols)), shape=shape).T.tocsc()
     pairs: dict[tuple[int, int], float] = {}
-    for i in range(overlap.shape[0]):
-        start, end = overlap.indptr[i], overlap.indptr[i + 1]
-        others, shared = overlap.indices[start:end], overlap.data[start:end]
-        keep = others != i
-        others, shared = others[keep], shared[keep]
-        if len(others) > partners:
-            top = np.lexsort((others, -shared))[:partners]
-            others, shared = others[top], shared[top]
-        for j, value in zip(others.tolist(), shared.tolist()):
-            pairs[(min(i, j), max(i, j))] = value
+    for first in range(0, len(contexts), PARTNER_ROWS_PER_CHUNK):
+        overlap = (weighted[first : first + PARTNER_ROWS_PER_CHUNK] @ member_t).tocsr()
+        for offset in range(overlap.shape[0]):
+            i = first + offset
+            start, end = overlap.indptr[offset], overlap.indptr[offset + 1]
+            others, shared = overlap.indices[start:end], overlap.data[start:end]
+            keep = others != i
+            others, shared = others[keep], shared[keep]
+            if len(others) > partners:
+                top = np.lexsort((others, -shared))[:partners]
+                others, shared = others[top], shared[top]
+            for j, value in zip(others.tolist(), shared.tolist()):
+                pairs[(min(i, j), max(i, j))] = value
     return [(value, i, j) for (i, j), value in pairs.items() if value > 0]
 
 
