@@ -175,15 +175,26 @@ def build_core_tree(
     """Grow a :class:`CoreTree` by lazy Kruskal over the best partner pairs (see module docstring).
 
     Complexity: O(P log P) heap work for P candidate pairs (at most ``partners`` per request), each pop O(depth * K).
+    The tree of a request is found through a union-find over requests (trees only ever merge), not by walking up.
     """
     tree = CoreTree(contexts, weights)
+    leader = list(range(len(contexts)))  # union-find over requests: requests of one tree share a leader
+    top = list(range(len(contexts)))  # top[leader] = root node of that tree
+
+    def find(request: int) -> int:
+        while leader[request] != request:
+            leader[request] = leader[leader[request]]
+            request = leader[request]
+        return request
+
     heap = [(-value, i, j) for value, i, j in best_partners(contexts, weights, ranks, partners)]
     heapq.heapify(heap)
     while heap:
         _, i, j = heapq.heappop(heap)
-        root_i, root_j = tree.root(i), tree.root(j)
-        if root_i == root_j:
+        set_i, set_j = find(i), find(j)
+        if set_i == set_j:
             continue
+        root_i, root_j = top[set_i], top[set_j]
         gain_i, target_i, shared_i = tree.plan_join(root_i, j)
         gain_j, target_j, shared_j = tree.plan_join(root_j, i)
         gain, joining, target, shared = max(
@@ -197,6 +208,8 @@ def build_core_tree(
             heapq.heappush(heap, (-gain, i, j))  # the pair is worth less now: retry it in its new rank
             continue
         tree.join(-joining, target, shared)
+        leader[set_j] = set_i
+        top[set_i] = tree.root(target)
     return tree
 
 
