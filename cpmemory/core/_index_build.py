@@ -105,8 +105,23 @@ def cluster(
     else:
         left, right, dist = _candidate_edges(encoded, options)
         _sparse_average_linkage(forest, left, right, dist)
-        _group_by_anchor(forest)
+    _dissolve_empty_roots(forest, n)
+    _group_by_anchor(forest)
     return forest
+
+
+def _dissolve_empty_roots(forest: ClusterForest, n: int) -> None:
+    """Replace root clusters with an empty content by their children, recursively (they would be removed from the
+    tree anyway), so that the anchor grouping sees every node that would otherwise hang under the root."""
+    roots: list[int] = []
+    stack = list(reversed(forest.roots))
+    while stack:
+        cluster_id = stack.pop()
+        if cluster_id >= n and not forest.contents[cluster_id]:
+            stack.extend(reversed(forest.children[cluster_id]))
+        else:
+            roots.append(cluster_id)
+    forest.roots = roots
 
 
 def _exact_linkage(encoded: EncodedContexts, forest: ClusterForest, alpha: float) -> None:

@@ -295,7 +295,9 @@ class ContextIndex:
         if len(nearest) == 1:
             return nearest[0]
         internal = [slot for slot in nearest if children[slot].request_ids is None]
-        return min(internal) if internal else None
+        if internal:
+            return min(internal)
+        return None if len(nearest) == len(children) else min(nearest)
 
     # ----------------------------------------------------------------------------------------------- mutations
     def insert(self, context: Iterable[Hashable], request_id: Hashable) -> InsertResult:
