@@ -6,10 +6,10 @@ more requests with the same set of blocks. Built offline from a batch (:meth:`Co
 
 * :meth:`ContextIndex.search` walks down (Algorithm 1): at each node it compares the children that share a block
   with the query beyond the node's own content (a child sharing only the node's content cannot lengthen the
-  prefix), descends into the nearest, and stops when no child shares such a block or when the nearest candidates
-  are leaves all at the same distance (the longest shared prefix is found). A tie between an internal child and
-  others goes to the internal child (this is what makes the paper's worked example give path [0, 0, 2]: at C5
-  both C4 and C3 are at distance 1/3 + alpha from C6).
+  prefix), descends into the nearest, and stops when no child shares such a block or when all the node's children
+  are leaves at the same distance (the longest shared prefix is found). A tie between an internal child and others
+  goes to the internal child (this is what makes the paper's worked example give path [0, 0, 2]: at C5 both C4
+  and C3 are at distance 1/3 + alpha from C6); a tie among some of the leaves goes to the lowest slot.
 * :meth:`ContextIndex.insert` places a request where the search ends: under a matched internal node (a new child),
   beside a matched leaf (a new internal node holding their intersection), or, when the walk went into a node that
   holds blocks the request lacks, under a new node holding the longest prefix of that node the request contains.
@@ -278,8 +278,8 @@ class ContextIndex:
         """The slot of the nearest candidate child, or None to stop at ``node``.
 
         Ties at the minimum distance go to an internal child (it stands for several requests sharing that prefix),
-        then to the lowest slot. When the nearest candidates are two or more leaves at the same distance, the
-        search stops at ``node``: the longest prefix shared with all of them is the node's own.
+        then to the lowest slot. When every child of ``node`` is a leaf at the same distance, the search stops at
+        ``node``: the longest prefix shared with all of them is the node's own.
         """
         children, alpha = node.children, self.alpha
         nearest: list[int] = []
