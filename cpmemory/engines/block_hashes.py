@@ -75,6 +75,7 @@ def _sha256_cbor(value: Any) -> bytes:
 
 
 _HASH_FUNCTIONS: dict[str, Callable[[Any], bytes]] = {"sha256": _sha256_pickle, "sha256_cbor": _sha256_cbor}
+SUPPORTED_ALGORITHMS = frozenset(_HASH_FUNCTIONS)
 
 
 def external_hash(digest: bytes) -> int:

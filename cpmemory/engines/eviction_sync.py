@@ -31,7 +31,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from cpmemory.engines.block_hashes import BlockHasher, external_hash
+from cpmemory.engines.block_hashes import SUPPORTED_ALGORITHMS, BlockHasher, external_hash
 from cpmemory.engines.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 
 logger = logging.getLogger(__name__)
@@ -115,9 +115,18 @@ class EvictionSync:
 
     @classmethod
     def for_engine(cls, target: IndexEvictor, engine: CacheConfigSource) -> EvictionSync:
-        """Build a sync whose hasher follows the engine's block size and hash algorithm (one ``/metrics`` call)."""
+        """Build a sync whose hasher follows the engine's block size and hash algorithm (one ``/metrics`` call).
+
+        An algorithm we cannot reproduce (``xxhash``: seeded per process) falls back to ``sha256``: every server
+        hash then goes through the ``BlockStored`` translation (``stats.hash_mismatches``), which still maps
+        removals to requests as long as the sync saw the blocks being stored.
+        """
         config = engine.cache_config()
-        return cls(target, BlockHasher(config.block_size, config.hash_algorithm))
+        algorithm = config.hash_algorithm if config.hash_algorithm in SUPPORTED_ALGORITHMS else "sha256"
+        if algorithm != config.hash_algorithm:
+            logger.warning("engine hashes blocks with %s; matching through BlockStored token ids",
+                           config.hash_algorithm)
+        return cls(target, BlockHasher(config.block_size, algorithm))
 
     # -- registration -------------------------------------------------------------------------------------
     def register(self, request_id: str, token_ids: Sequence[int], *, tenant: str = DEFAULT_TENANT,

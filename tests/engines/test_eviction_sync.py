@@ -185,3 +185,20 @@ def test_registrations_are_bounded():
     sync.register("r3", [9, 10, 11, 12])
     assert sync.tracked_requests() == 2 and sync.stats.dropped_registrations == 1
     assert sync.requests_for(first[0]) == set()
+
+
+def test_unreproducible_server_algorithm_falls_back_to_translation():
+    from types import SimpleNamespace
+
+    from cpmemory.engines.client import CacheConfig
+
+    engine = SimpleNamespace(cache_config=lambda: CacheConfig(16, "xxhash", True, None))
+    sync = EvictionSync.for_engine(CpMemory(), engine)
+    assert sync.hasher.algorithm == "sha256" and sync.hasher.block_size == 16
+    hashes = sync.register("r1", list(range(32)))
+    server_hashes = (111, 222)  # what an xxhash server would publish for the same two blocks
+    sync.handle_batch(EventBatch(0, 0.0, (BlockStored(server_hashes, None, tuple(range(32)), 16, None, "GPU"),)))
+    assert sync.stats.hash_mismatches == 2
+    assert sync.requests_for(222) == {"r1"} and sync.requests_for(hashes[1]) == {"r1"}
+    sync.handle_batch(EventBatch(1, 0.0, (BlockRemoved((222,), "GPU"),)))
+    assert sync.tracked_requests() == 0 and sync.stats.evicted_requests == 1
