@@ -48,11 +48,11 @@ class WorkloadSpec:
 def make_workload(spec: WorkloadSpec, count: int | None = None, stream: int = 0) -> list[list[str]]:
     """Return ``count`` (default ``spec.contexts``) contexts of ``spec.k`` distinct block keys. Deterministic."""
     count = spec.contexts if count is None else count
-    rng = np.random.default_rng([spec.seed, stream])
     corpus = max(spec.corpus_factor * spec.contexts, 2 * spec.k)
     weights = np.arange(1, corpus + 1, dtype=np.float64) ** -spec.zipf_a
     cumulative = np.cumsum(weights / weights.sum())
-    block_of_rank = rng.permutation(corpus)  # popular blocks get scattered ids
+    block_of_rank = np.random.default_rng(spec.seed).permutation(corpus)  # one corpus per seed, for every stream
+    rng = np.random.default_rng([spec.seed, stream])
 
     def draw(size: int) -> np.ndarray:
         ranks = np.minimum(np.searchsorted(cumulative, rng.random(size)), corpus - 1)

@@ -49,3 +49,10 @@ def test_bench_core_prints_a_table() -> None:
     result = CliRunner().invoke(app, ["bench", "core", "--contexts", "300", "--k", "5"])
     assert result.exit_code == 0, result.output
     assert "search_p50_ms" in result.stdout and "build_seconds" in result.stdout
+
+
+def test_queries_draw_from_the_same_popular_blocks() -> None:
+    spec = WorkloadSpec(contexts=500, k=10, seed=2)
+    batch, queries = make_workload(spec), make_workload(spec, count=200, stream=1)
+    popular = {key for key, _ in Counter(key for context in batch for key in context).most_common(20)}
+    assert sum(1 for query in queries if popular & set(query)) > 0.8 * len(queries)
