@@ -13,6 +13,8 @@ Hierarchy::
     ├── IndexIntegrityError                     the context index is corrupt (a bug, never expected)
     ├── StoreUnavailableError                   the session store (Redis) cannot be reached; callers degrade
     ├── EngineError                             an engine replica failed or timed out
+    │   ├── EngineUnreachableError              no answer (connection error, timeout, 502-504): try another replica
+    │   ├── EngineStatusError                   the engine answered with an error status (the request is at fault)
     │   └── NoHealthyReplicaError               every replica is down
     ├── KVEventError                            a malformed KV-event frame
     └── MissingDependencyError (also ImportError)  an optional extra is not installed; names the pip command
@@ -72,6 +74,21 @@ class StoreUnavailableError(CpMemoryError):
 
 class EngineError(CpMemoryError):
     """An engine replica returned an error or did not answer in time."""
+
+
+class EngineUnreachableError(EngineError):
+    """The replica did not answer (connection error, timeout, gateway error). Safe to retry on another replica."""
+
+
+class EngineStatusError(EngineError):
+    """The engine answered with an HTTP error status. ``body`` is kept as received (str or bytes)."""
+
+    def __init__(self, status_code: int, body: str | bytes = "", url: str = "engine") -> None:
+        text = body.decode("utf-8", "replace") if isinstance(body, bytes) else body
+        super().__init__(f"{url} answered HTTP {status_code}: {text[:300]}")
+        self.status_code = status_code
+        self.body = body
+        self.url = url
 
 
 class NoHealthyReplicaError(EngineError):

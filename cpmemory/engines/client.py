@@ -28,18 +28,9 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 from typing_extensions import Self
 
-from cpmemory.errors import EngineError, MissingDependencyError
+from cpmemory.errors import EngineError, EngineStatusError, MissingDependencyError
 
 Message = Mapping[str, Any]
-
-
-class EngineStatusError(EngineError):
-    """The engine answered with an HTTP error status."""
-
-    def __init__(self, status_code: int, body: str, url: str) -> None:
-        super().__init__(f"engine {url} answered {status_code}: {body[:300]}")
-        self.status_code = status_code
-        self.body = body
 
 
 class EngineSettings(BaseModel):

@@ -156,7 +156,7 @@ class ChainOfAgents:
 
         Raises:
             InvalidInputError: empty job id or task, or malformed blocks.
-            NoHealthyReplicaError / EngineHTTPError: the engine could not serve a call (the job stops there).
+            NoHealthyReplicaError / EngineStatusError: the engine could not serve a call (the job stops there).
         """
         if not job_id or not task:
             raise InvalidInputError("a Chain-of-Agents job needs a job id and a task")

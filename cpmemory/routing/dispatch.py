@@ -2,7 +2,7 @@
 
 The dispatcher joins the ``Router`` (where to go) and a ``ChatTransport`` (how to get there): it counts the call in
 flight, marks a replica down on ``EngineUnreachableError`` and tries the key's next replica, at most once per
-replica. An ``EngineHTTPError`` (the engine answered, with an error) is not retried: the request itself is at fault.
+replica. An ``EngineStatusError`` (the engine answered, with an error) is not retried: the request itself is at fault.
 Streaming calls fail over only before the first byte; once bytes flow, an error reaches the caller.
 """
 from __future__ import annotations
@@ -13,9 +13,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from cpmemory.errors import NoHealthyReplicaError
+from cpmemory.errors import EngineUnreachableError, NoHealthyReplicaError
 from cpmemory.routing.router import RouteDecision, Router
-from cpmemory.routing.transport import ChatTransport, EngineStream, EngineUnreachableError
+from cpmemory.routing.transport import ChatTransport, EngineStream
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,7 +79,7 @@ class Dispatcher:
 
         Raises:
             NoHealthyReplicaError: every replica is down (or failed during this call).
-            EngineHTTPError: the engine rejected the request (not retried).
+            EngineStatusError: the engine rejected the request (not retried).
         """
         tried: list[str] = []
         waited = 0.0

@@ -8,29 +8,16 @@ Errors (all ``EngineError``)::
 
     EngineError
     ├── EngineUnreachableError   connection refused / reset, timeout, 502-504: the replica is taken out of rotation
-    └── EngineHTTPError          the engine answered with another error status (carries status and body)
+    └── EngineStatusError          the engine answered with another error status (carries status and body)
 """
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Mapping
 from typing import Any, Protocol
 
-from cpmemory.errors import EngineError, MissingDependencyError
+from cpmemory.errors import EngineStatusError, EngineUnreachableError, MissingDependencyError
 
 UNREACHABLE_STATUSES = frozenset({502, 503, 504})
-
-
-class EngineUnreachableError(EngineError):
-    """The replica did not answer (connection error, timeout, gateway error). Safe to retry on another replica."""
-
-
-class EngineHTTPError(EngineError):
-    """The replica answered with an error status."""
-
-    def __init__(self, status_code: int, body: bytes) -> None:
-        super().__init__(f"engine answered HTTP {status_code}")
-        self.status_code = status_code
-        self.body = body
 
 
 class EngineStream(Protocol):
@@ -97,7 +84,7 @@ class HttpxChatTransport:
 
         Raises:
             EngineUnreachableError: connection error, timeout, 502-504, or a body that is not a JSON object.
-            EngineHTTPError: any other error status.
+            EngineStatusError: any other error status.
         """
         httpx = self._httpx
         try:
@@ -155,4 +142,4 @@ def _raise_for_status(status_code: int, content: bytes) -> None:
     if status_code in UNREACHABLE_STATUSES:
         raise EngineUnreachableError(f"engine answered HTTP {status_code}")
     if status_code >= 400:
-        raise EngineHTTPError(status_code, content)
+        raise EngineStatusError(status_code, content)

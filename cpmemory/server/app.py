@@ -25,13 +25,14 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from cpmemory.errors import (
     EngineError,
+    EngineStatusError,
     InvalidInputError,
     MissingDependencyError,
     NoHealthyReplicaError,
 )
 from cpmemory.routing.dispatch import Dispatcher
 from cpmemory.routing.router import Router, RouterConfig
-from cpmemory.routing.transport import ChatTransport, EngineHTTPError, HttpxChatTransport
+from cpmemory.routing.transport import ChatTransport, HttpxChatTransport
 from cpmemory.server.metrics import ProxyMetrics
 from cpmemory.server.schemas import (
     ChatCompletionRequest,
@@ -207,12 +208,12 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
 def _engine_error(error: EngineError) -> Any:
     if isinstance(error, NoHealthyReplicaError):
         return error_response(503, "engine_error", "no_healthy_replica", str(error))
-    if isinstance(error, EngineHTTPError) and 400 <= error.status_code < 500:
+    if isinstance(error, EngineStatusError) and 400 <= error.status_code < 500:
         return _relay_engine_client_error(error)
     return error_response(502, "engine_error", "engine_failed", str(error))
 
 
-def _relay_engine_client_error(error: EngineHTTPError) -> Any:
+def _relay_engine_client_error(error: EngineStatusError) -> Any:
     from fastapi.responses import JSONResponse
 
     try:

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from cpmemory.routing.transport import EngineHTTPError, EngineUnreachableError
+from cpmemory.errors import EngineStatusError, EngineUnreachableError
 
 
 class FakeFleet:
@@ -35,7 +35,7 @@ class FakeFleet:
         if base_url in self.down:
             raise EngineUnreachableError(f"{base_url} is down")
         if base_url in self.reject:
-            raise EngineHTTPError(400, b'{"error": "bad"}')
+            raise EngineStatusError(400, b'{"error": "bad"}')
         prompt = json.dumps(payload["messages"])
         cached = self._cached(base_url, prompt)
         self.prompts.setdefault(base_url, []).append(prompt)

@@ -7,11 +7,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cpmemory.errors import NoHealthyReplicaError
+from cpmemory.errors import EngineStatusError, NoHealthyReplicaError
 from cpmemory.routing.chain_of_agents import ChainOfAgents, ChainOfAgentsConfig, split_chunks
 from cpmemory.routing.dispatch import Dispatcher
 from cpmemory.routing.router import Router
-from cpmemory.routing.transport import EngineHTTPError
 
 URLS = ["http://r0", "http://r1", "http://r2"]
 PAYLOAD = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
@@ -44,7 +43,7 @@ def test_every_replica_down_raises_and_client_errors_are_not_retried(fleet) -> N
     router2 = Router(URLS)
     fleet.down.clear()
     fleet.reject.update(URLS)
-    with pytest.raises(EngineHTTPError):
+    with pytest.raises(EngineStatusError):
         asyncio.run(Dispatcher(router2, fleet).complete("k", PAYLOAD))
     assert router2.healthy_count() == 3 and len(fleet.calls) == 0
 
