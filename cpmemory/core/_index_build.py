@@ -272,27 +272,46 @@ def _relabel_edges(
     )
 
 
+_ANCHOR_SPLIT_MIN = 16  # groups larger than this are themselves grouped by the next anchor block
+_ANCHOR_MAX_DEPTH = 24
+
+
 def _group_by_anchor(forest: ClusterForest) -> None:
     """Group the remaining roots by their most widely shared block until no block is shared by two roots."""
-    roots = forest.roots
+    forest.roots = _anchor_level(forest, forest.roots, frozenset(), 0)
+
+
+def _anchor_level(
+    forest: ClusterForest, roots: list[int], base: frozenset[Hashable], depth: int
+) -> list[int]:
+    """One level of anchor grouping over ``roots``, whose contents all hold ``base``; returns the new roots.
+
+    A group of more than ``_ANCHOR_SPLIT_MIN`` members is first grouped inside by the blocks beyond its own
+    intersection, so no node keeps thousands of children sharing a popular block (searches stay cheap).
+    """
     while len(roots) > 1:
-        counts = Counter(block for root in roots for block in forest.contents[root])
+        counts = Counter(block for root in roots for block in forest.contents[root] if block not in base)
         groups: dict[Hashable, list[int]] = {}
         loose: list[int] = []
         for root in roots:
             shared = [block for block in forest.contents[root] if counts[block] >= 2]
             if shared:  # the most widely shared block; ties by repr so the result does not depend on hashing
-                groups.setdefault(max(shared, key=lambda block: (counts[block], repr(block))), []).append(
-                    root
-                )
+                anchor = max(shared, key=lambda block: (counts[block], repr(block)))
+                groups.setdefault(anchor, []).append(root)
             else:
                 loose.append(root)
-        formed = [forest.add(members, 1.0) for members in groups.values() if len(members) >= 2]
+        formed = [_anchor_group(forest, members, depth) for members in groups.values() if len(members) >= 2]
         if not formed:
             break
         loose.extend(members[0] for members in groups.values() if len(members) == 1)
         roots = formed + loose
-    forest.roots = roots
+    return roots
+
+
+def _anchor_group(forest: ClusterForest, members: list[int], depth: int) -> int:
+    """A new cluster over ``members``; returns its id (``depth`` is kept for the callers' bookkeeping)."""
+    del depth
+    return forest.add(members, 1.0)
 
 
 class NodeIds:
@@ -334,7 +353,10 @@ def assemble(
     while stack:
         clusters, parent = stack.pop()
         prefix, prefix_set = parent.content, parent.content_set
-        for child in _flatten(forest, clusters, len(prefix), order, leaves):
+        attached = _flatten(forest, clusters, len(prefix), order, leaves)
+        if len(attached) > _ANCHOR_SPLIT_MIN:  # a wide node: group its children by their next anchor block
+            attached = _regroup(forest, attached, prefix_set, order, leaves)
+        for child in attached:
             content = forest.contents[child]  # the aligned content's set: the parent's blocks are all in it
             if child < leaves:
                 keys = aligned(prefix, leaf_keys[child], prefix_set)
@@ -353,6 +375,23 @@ def assemble(
             parent.children[slot] = node
             parent.next_slot = slot + 1
     return root
+
+
+def _regroup(
+    forest: ClusterForest,
+    attached: list[int],
+    prefix_set: frozenset[Hashable],
+    order: dict[str, list[int]],
+    leaves: int,
+) -> list[int]:
+    """Anchor-group a wide node's children beyond its content; new clusters get their size and first leaf."""
+    before = len(forest.children)
+    grouped = _anchor_level(forest, attached, prefix_set, 0)
+    size, first_leaf = order["size"], order["first_leaf"]
+    for c in range(before, len(forest.children)):
+        size.append(sum(size[child] for child in forest.children[c]))
+        first_leaf.append(min(first_leaf[child] for child in forest.children[c]))
+    return sorted(grouped, key=lambda c: (-size[c], first_leaf[c])) if len(grouped) > 1 else grouped
 
 
 def _flatten(
