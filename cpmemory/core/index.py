@@ -37,6 +37,11 @@ from cpmemory.errors import IndexIntegrityError, InvalidInputError
 __all__ = ["BuildOptions", "BuildReport", "ContextIndex", "InsertResult", "SearchResult"]
 
 _TIE_TOLERANCE = 1e-12
+# A search packs, per child, (shared blocks << 40) + (sum of position gaps) in one int: one dict update per hit.
+# Position gaps stay far below 2**40 (a context would need ~10**6 blocks to overflow them).
+_COUNT_SHIFT = 40
+_COUNT_UNIT = 1 << _COUNT_SHIFT
+_POSITION_MASK = _COUNT_UNIT - 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -240,8 +245,8 @@ class ContextIndex:
         base_overlap = base_positions = 0  # overlap and position term with the current node's content
         remaining = keys
         while node.children:
-            overlap: dict[int, int] = {}
-            position_sum: dict[int, int] = {}
+            # One dict update per (block, child) hit: overlap count and position sum packed in one int.
+            packed: dict[int, int] = {}
             child_index = node.child_index
             if child_index is None:
                 child_index = node.indexed_children()
@@ -250,27 +255,23 @@ class ContextIndex:
                 if entry:
                     here = positions[key]
                     for slot, there in entry.items():
-                        overlap[slot] = overlap.get(slot, 0) + 1
-                        position_sum[slot] = position_sum.get(slot, 0) + abs(here - there)
-            if not overlap:
+                        packed[slot] = packed.get(slot, 0) + _COUNT_UNIT + abs(here - there)
+            if not packed:
                 break
-            best_slot = self._nearest_child(
-                node, overlap, position_sum, base_overlap, base_positions, query_length
-            )
+            best_slot = self._nearest_child(node, packed, base_overlap, base_positions, query_length)
             if best_slot is None:
                 break
             node = node.children[best_slot]
             trail.append(node)
-            base_overlap += overlap[best_slot]
-            base_positions += position_sum[best_slot]
+            base_overlap += packed[best_slot] >> _COUNT_SHIFT
+            base_positions += packed[best_slot] & _POSITION_MASK
             remaining = [key for key in remaining if key not in node.content_set]
         return trail
 
     def _nearest_child(
         self,
         node: IndexNode,
-        overlap: dict[int, int],
-        position_sum: dict[int, int],
+        packed: dict[int, int],
         base_overlap: int,
         base_positions: int,
         query_length: int,
@@ -284,10 +285,10 @@ class ContextIndex:
         children, alpha = node.children, self.alpha
         nearest: list[int] = []
         best = 2.0**62
-        for slot, count in overlap.items():
-            total = base_overlap + count
+        for slot, value in packed.items():
+            total = base_overlap + (value >> _COUNT_SHIFT)
             longest = max(query_length, len(children[slot].content))
-            distance = 1.0 - total / longest + alpha * (base_positions + position_sum[slot]) / total
+            distance = 1.0 - total / longest + alpha * (base_positions + (value & _POSITION_MASK)) / total
             if distance < best - _TIE_TOLERANCE:
                 best, nearest = distance, [slot]
             elif distance <= best + _TIE_TOLERANCE:

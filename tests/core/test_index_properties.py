@@ -199,3 +199,25 @@ def test_search_counts_accesses_along_the_path() -> None:
     index.search([1, 2, 9])
     after = index.render()
     assert before != after and "hits 2" in after
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(small_context, min_size=2, max_size=25), st.lists(small_context, min_size=1, max_size=5))
+def test_search_descends_into_the_nearest_child_by_the_paper_distance(
+    batch: list[list[int]], queries: list[list[int]]
+) -> None:
+    from cpmemory.core.distance import context_distance
+
+    index = ContextIndex.build(batch)
+    for query in queries:
+        keys = list(dict.fromkeys(query))
+        if frozenset(keys) in index._leaf_by_set:
+            continue  # an indexed block set is found directly, not by the walk
+        node = index._root
+        for slot in index.search(query).path:
+            chosen = node.children[slot]
+            hits = [c for c in node.children.values() if (c.content_set - node.content_set) & set(keys)]
+            assert chosen in hits
+            best = min(context_distance(keys, c.content) for c in hits)
+            assert context_distance(keys, chosen.content) <= best + 1e-9
+            node = chosen
