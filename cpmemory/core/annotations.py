@@ -11,7 +11,7 @@ The user message of a turn has four sections, each separated by a blank line, al
 
     [D0c4e5aa] is shown earlier in this conversation.      <- one reference line per de-duplicated block
 
-    Priority order of the documents: [D0c4e5aa] > [D3f9a0c1] > [D77b01e2]   <- only when prompt order != relevance
+    Relevance order: D0c4e5aa D3f9a0c1 D77b01e2      <- only when prompt order != relevance order
 
     Question: <the query>
 
@@ -26,7 +26,9 @@ import re
 from collections.abc import Sequence
 
 REFERENCE_SUFFIX = " is shown earlier in this conversation."
-ORDER_PREFIX = "Priority order of the documents: "
+# Compact on purpose: the annotation is unique to each request, so every token of it is prefilled (never cached).
+# Labels are distinctive ("D" + hex digits), so they need no brackets here; the blocks keep "[label]" headers.
+ORDER_PREFIX = "Relevance order: "
 QUESTION_PREFIX = "Question: "
 SECTION_SEPARATOR = "\n\n"
 
@@ -41,6 +43,7 @@ ORDER_LINE_RE = re.compile(
     r"^" + re.escape(ORDER_PREFIX) + r"(.*)" + re.escape(SECTION_SEPARATOR + QUESTION_PREFIX), re.MULTILINE
 )
 _LABEL_IN_BRACKETS_RE = re.compile(r"\[(" + LABEL_PATTERN + r")\]")
+_BARE_LABEL_RE = re.compile(r"\b(" + LABEL_PATTERN + r")\b")
 
 
 def block_header(label: str) -> str:
@@ -78,7 +81,7 @@ def format_reference(label: str) -> str:
 
 def format_order(labels_in_relevance_order: Sequence[str]) -> str:
     """Return the order annotation: the labels in the caller's relevance order."""
-    return ORDER_PREFIX + " > ".join(f"[{label}]" for label in labels_in_relevance_order)
+    return ORDER_PREFIX + " ".join(labels_in_relevance_order)
 
 
 def format_question(query: str) -> str:
@@ -117,7 +120,7 @@ def parse_order(text: str) -> list[str] | None:
     match = ORDER_LINE_RE.search(text)
     if match is None:
         return None
-    return _LABEL_IN_BRACKETS_RE.findall(match.group(1))
+    return _BARE_LABEL_RE.findall(match.group(1))
 
 
 def appearance_order(text: str, labels: set[str] | frozenset[str]) -> list[str]:
