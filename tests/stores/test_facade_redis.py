@@ -1,4 +1,5 @@
 """End to end through the facade on the real Redis: two facade instances ("workers") serve one conversation."""
+
 from __future__ import annotations
 
 import asyncio
@@ -28,7 +29,12 @@ def test_two_workers_share_one_conversation(real_redis: str, config: RedisStoreC
     worker_a = CpMemory(store=RedisSessionStore.from_url(real_redis, config))
     worker_b = CpMemory(store=RedisSessionStore.from_url(real_redis, config))
     conversation = f"conv-{uuid.uuid4().hex}"
-    turns = [(worker_a, DOCS[0:5]), (worker_b, DOCS[2:7]), (worker_a, DOCS[5:9]), (worker_b, DOCS[0:3] + DOCS[8:10])]
+    turns = [
+        (worker_a, DOCS[0:5]),
+        (worker_b, DOCS[2:7]),
+        (worker_a, DOCS[5:9]),
+        (worker_b, DOCS[0:3] + DOCS[8:10]),
+    ]
     shown: set[str] = set()
     for number, (worker, docs) in enumerate(turns, start=1):
         turn = worker.prepare(conversation, f"question {number}", docs)
@@ -40,7 +46,9 @@ def test_two_workers_share_one_conversation(real_redis: str, config: RedisStoreC
         shown |= {doc["id"] for doc in docs}
 
 
-def test_concurrent_turns_do_not_reference_uncommitted_blocks(real_redis: str, config: RedisStoreConfig) -> None:
+def test_concurrent_turns_do_not_reference_uncommitted_blocks(
+    real_redis: str, config: RedisStoreConfig
+) -> None:
     worker_a = CpMemory(store=RedisSessionStore.from_url(real_redis, config))
     worker_b = CpMemory(store=RedisSessionStore.from_url(real_redis, config))
     conversation = f"conv-{uuid.uuid4().hex}"
@@ -69,4 +77,36 @@ def test_async_facade_on_redis(real_redis: str, config: RedisStoreConfig) -> Non
 
     first, second = asyncio.run(scenario())
     assert set(first.values()) == {"new"}
-    assert second == {"doc-3": "referenced", "doc-4": "referenced", "doc-5": "new", "doc-6": "new", "doc-7": "new"}
+    assert second == {
+        "doc-3": "referenced",
+        "doc-4": "referenced",
+        "doc-5": "new",
+        "doc-6": "new",
+        "doc-7": "new",
+    }
+
+
+def test_history_window_on_redis_resends_blocks_of_dropped_turns(
+    real_redis: str, config: RedisStoreConfig
+) -> None:
+    from cpmemory.session.config import CpMemoryConfig
+
+    mem = CpMemory(
+        store=RedisSessionStore.from_url(real_redis, config), config=CpMemoryConfig(max_history_turns=2)
+    )
+    conversation = f"conv-{uuid.uuid4().hex}"
+    last_full: dict[str, int] = {}
+    for number in range(1, 7):
+        docs = [
+            DOCS[0],
+            DOCS[number],
+        ]  # DOCS[0] every turn: referenced while its last full copy is in the window
+        turn = mem.prepare(conversation, f"question {number}", docs)
+        assert check_no_loss(docs, turn.messages).ok
+        assert len(turn.messages) <= 2 * 2 + 2
+        last = last_full.get("doc-0")
+        expected = "new" if last is None else ("referenced" if last > turn.dropped_turns else "resent")
+        assert _statuses(turn)["doc-0"] == expected
+        if expected != "referenced":
+            last_full["doc-0"] = number
+        assert mem.commit(turn, f"answer {number}") == number
