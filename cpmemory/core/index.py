@@ -121,6 +121,9 @@ def _prepare(context: Iterable[Hashable]) -> tuple[list[Hashable], dict[Hashable
     return keys, dict(zip(keys, range(len(keys))))
 
 
+MAX_REQUESTS_PER_LEAF = 64
+
+
 class ContextIndex:
     """The context index tree (see the module docstring). Mutating methods say so; all are O(height * |C|)."""
 
@@ -131,6 +134,9 @@ class ContextIndex:
             raise InvalidInputError(f"max_leaves must be positive, got {max_leaves}")
         self.alpha = alpha
         self.max_leaves = max_leaves
+        # Requests with the same block set share a leaf; only the most recent ones are tracked, so a context
+        # repeated forever cannot grow the request map (the older ids hold the same prefix as the newer ones).
+        self.max_requests_per_leaf = MAX_REQUESTS_PER_LEAF
         self.last_build: BuildReport | None = None
         self._new_id = NodeIds()
         self._root = IndexNode(self._new_id(), (), leaf=False)
@@ -328,7 +334,7 @@ class ContextIndex:
         self._leaf_of[request_id] = leaf
         self._recent[leaf.node_id] = leaf
         self._recent.move_to_end(leaf.node_id)
-        evicted = self._enforce_cap(protect=leaf)
+        evicted = self._forget_oldest_requests(leaf) + self._enforce_cap(protect=leaf)
         return InsertResult(leaf.path(), prefix, placed_under.node_id, leaf.node_id, evicted)
 
     def _place(self, trail: list[IndexNode], positions: dict[Hashable, int]) -> IndexNode:
@@ -413,6 +419,17 @@ class ContextIndex:
                 parent.add_child(only, slot)
                 del self._nodes[node.node_id]
             return
+
+    def _forget_oldest_requests(self, leaf: IndexNode) -> tuple[Hashable, ...]:
+        """Drop the oldest request ids of ``leaf`` beyond ``max_requests_per_leaf`` (the leaf stays). Mutates."""
+        assert leaf.request_ids is not None
+        dropped: list[Hashable] = []
+        while len(leaf.request_ids) > self.max_requests_per_leaf:
+            oldest = next(iter(leaf.request_ids))
+            del leaf.request_ids[oldest]
+            del self._leaf_of[oldest]
+            dropped.append(oldest)
+        return tuple(dropped)
 
     def _enforce_cap(self, protect: IndexNode | None) -> tuple[Hashable, ...]:
         """Evict least recently used leaves while above ``max_leaves`` (never ``protect``)."""

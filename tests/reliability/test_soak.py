@@ -9,7 +9,6 @@ import time
 
 import httpx
 import psutil
-import pytest
 
 from cpmemory.engines.mock import MockEngine
 from cpmemory.facade import AsyncCpMemory
@@ -52,8 +51,6 @@ def _leaf_count(memory: AsyncCpMemory) -> int:
     return int(getattr(index, "leaf_count", len(index)))
 
 
-@pytest.mark.xfail(strict=True, reason="ContextIndex caps leaves, not the request ids sharing a leaf: repeated "
-                   "contexts grow its request map without bound (cpmemory/core/index.py, reported to the lead)")
 def test_index_request_map_is_bounded() -> None:
     from cpmemory.core.index import ContextIndex
 
