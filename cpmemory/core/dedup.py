@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import Literal, Protocol
 
 from cpmemory.core import annotations
-from cpmemory.core.blocks import Block, label_for_hash
+from cpmemory.core.blocks import LABEL_HEX_DIGITS, Block, label_for_hash
 
 Status = Literal["new", "referenced", "changed", "partial", "resent"]
 
@@ -79,6 +79,7 @@ class DedupDecision:
         new_segments: for "partial": the segments to send, in the block's order.
         holder_labels: for "partial": labels of earlier blocks holding the other segments.
         saved_chars: characters of the block's text not sent in full because of this decision.
+        label: for "referenced" (not in-request duplicates): the label the history shows the block's text under.
     """
 
     status: Status
@@ -86,6 +87,7 @@ class DedupDecision:
     new_segments: tuple[str, ...] = ()
     holder_labels: tuple[str, ...] = ()
     saved_chars: int = 0
+    label: str = ""
 
     @property
     def in_full(self) -> bool:
@@ -98,19 +100,73 @@ _CHANGED = DedupDecision("changed")
 _RESENT = DedupDecision("resent")
 
 
+COLLISION_LABEL_DIGITS = 12
+FULL_LABEL_DIGITS = 32
+
+
+def label_candidates(
+    digest: str, digits: int = LABEL_HEX_DIGITS, longer: int = COLLISION_LABEL_DIGITS
+) -> list[str]:
+    """The labels a block may get, shortest first: ``digits`` hex digits, then ``longer``, then the whole hash."""
+    lengths = dict.fromkeys(d for d in (digits, longer, FULL_LABEL_DIGITS) if d >= digits)
+    return [label_for_hash(digest, d) for d in lengths]
+
+
+def label_holds_only(prompt: str, label: str, text: str) -> bool:
+    """True when every block header of ``label`` in ``prompt`` starts ``text`` or a partial rendering of it.
+
+    A header is "[<label>]" on its own line. It holds ``text`` when the full text follows (then the end of the prompt
+    or a line break), or when only segments of ``text`` follow, one per line, up to the "(Rest of [<label>]" trailer
+    (cpmemory.core.annotations.format_partial). False means the label also names another text: a reference to it
+    would be ambiguous. Pure; O(len(prompt)).
+    """
+    header = annotations.block_header(label) + "\n"
+    trailer = f"(Rest of [{label}]"
+    segments: set[str] | None = None
+    at = prompt.find(header)
+    while at != -1:
+        body = at + len(header)
+        if at == 0 or prompt[at - 1] == "\n":
+            after = body + len(text)
+            holds_full = prompt.startswith(text, body) and (after == len(prompt) or prompt[after] == "\n")
+            if not holds_full and not prompt.startswith(trailer, body):
+                end = prompt.find("\n" + trailer, body)
+                if segments is None:
+                    segments = set(split_segments(text))
+                if end == -1 or not set(prompt[body:end].split("\n")) <= segments:
+                    return False
+        at = prompt.find(header, body)
+    return True
+
+
 class HistoryView(Protocol):
     """What dedup needs to know about the history a request sends."""
 
-    def has_full(self, block: Block, digest: str) -> bool:
-        """Return True when the block's full text is present under its label in the history."""
+    def present_label(self, block: Block, digest: str) -> str | None:
+        """Return the label the history shows the block's full text under, or None when it does not."""
         ...
+
+
+def _seen_label(seen: frozenset[str] | Mapping[str, object], digest: str) -> str | None:
+    if digest not in seen:
+        return None
+    entry = seen[digest] if isinstance(seen, Mapping) else None
+    return getattr(entry, "label", None) or label_for_hash(digest)
 
 
 @dataclass(frozen=True, slots=True)
 class CommittedHistory:
-    """The stored transcript: a content hash committed earlier is, by construction, present in it in full."""
+    """The stored transcript: a content hash committed earlier is, by construction, present in it in full.
+
+    ``seen_hashes`` maps a committed hash to its SeenBlock (whose ``label`` is the one it was shown under); a plain
+    set of hashes means the default labels.
+    """
 
     seen_hashes: frozenset[str] | Mapping[str, object]
+
+    def present_label(self, block: Block, digest: str) -> str | None:
+        """O(1): the label the hash was committed under, None when it was not."""
+        return _seen_label(self.seen_hashes, digest)
 
     def has_full(self, block: Block, digest: str) -> bool:
         """O(1): membership of the hash in what the conversation committed."""
@@ -119,18 +175,31 @@ class CommittedHistory:
 
 @dataclass(frozen=True, slots=True)
 class GivenHistory:
-    """A caller-given history, looked up verbatim (a block is present when "[<label>]\\n<text>" occurs in it)."""
+    """A caller-given history, looked up verbatim (a block is present when "[<label>]\\n<text>" occurs in it under a
+    label that names no other text; the label may be a longer one given to avoid a collision)."""
 
     text: str
+    label_digits: int = LABEL_HEX_DIGITS
+    collision_label_digits: int = COLLISION_LABEL_DIGITS
 
     @classmethod
-    def from_messages(cls, messages: Iterable[Mapping[str, str]]) -> GivenHistory:
-        """Join the contents of ``messages`` (O(total length))."""
-        return cls("\n\n".join(message["content"] for message in messages))
+    def from_messages(cls, messages: Iterable[Mapping[str, str]], **digits: int) -> GivenHistory:
+        """Join the contents of ``messages`` (O(total length)); ``digits`` are the label lengths (see the fields)."""
+        return cls("\n\n".join(message["content"] for message in messages), **digits)
+
+    def present_label(self, block: Block, digest: str) -> str | None:
+        """O(len(history)): one substring search, more only when a label of the block occurs in the history."""
+        if "[" + label_for_hash(digest, self.label_digits) not in self.text:
+            return None
+        for label in label_candidates(digest, self.label_digits, self.collision_label_digits):
+            shown = annotations.format_block(label, block.text)
+            if shown in self.text and label_holds_only(self.text, label, block.text):
+                return label
+        return None
 
     def has_full(self, block: Block, digest: str) -> bool:
-        """O(len(history)) substring search."""
-        return annotations.format_block(label_for_hash(digest), block.text) in self.text
+        """True when :meth:`present_label` finds the block."""
+        return self.present_label(block, digest) is not None
 
 
 class SegmentIndex:
@@ -141,10 +210,11 @@ class SegmentIndex:
     messages: a cached index that grew for a longer history stays correct for a request sending a shorter one.
     """
 
-    __slots__ = ("_holders", "_limit", "_messages")
+    __slots__ = ("_holders", "_labels", "_limit", "_messages")
 
     def __init__(self) -> None:
         self._holders: dict[str, tuple[str, int]] = {}
+        self._labels: dict[str, int] = {}
         self._messages = 0
         self._limit: int | None = None
 
@@ -164,14 +234,20 @@ class SegmentIndex:
         """Index further messages (mutates; the caller serialises concurrent extends)."""
         for message in messages:
             if message.get("role") == "user":
-                _index_message(message.get("content", ""), self._holders, self._messages)
+                _index_message(message.get("content", ""), self._holders, self._labels, self._messages)
             self._messages += 1
 
     def limited_to(self, messages: int) -> SegmentIndex:
         """A read-only view that only sees segments of the first ``messages`` messages (O(1), shares the dict)."""
         view = SegmentIndex.__new__(SegmentIndex)
-        view._holders, view._messages, view._limit = self._holders, min(messages, self._messages), messages
+        view._holders, view._labels = self._holders, self._labels
+        view._messages, view._limit = min(messages, self._messages), messages
         return view
+
+    def has_header(self, label: str) -> bool:
+        """True when a user message of the history has a block header with ``label``. O(1)."""
+        found = self._labels.get(label)
+        return found is not None and (self._limit is None or found < self._limit)
 
     def holder(self, segment: str) -> str | None:
         """Return the label of the earlier block holding ``segment``, or None."""
@@ -184,11 +260,14 @@ class SegmentIndex:
         return len(self._holders)
 
 
-def _index_message(content: str, holders: dict[str, tuple[str, int]], position: int) -> None:
+def _index_message(
+    content: str, holders: dict[str, tuple[str, int]], labels: dict[str, int], position: int
+) -> None:
     current: str | None = None
     for line in content.split("\n"):
         if line.startswith("[D") and line.endswith("]") and annotations.HEADER_RE.fullmatch(line):
             current = line[1:-1]
+            labels.setdefault(current, position)
         elif line.startswith(_STOP_LINE_PREFIXES) or line.endswith(annotations.REFERENCE_SUFFIX):
             current = None
         elif current is not None and len(line) >= MIN_SEGMENT_CHARS:
@@ -248,7 +327,7 @@ def decide(
         One decision per block, same order. Pure.
     """
     previous = previous_hash_for_id or {}
-    # Hot path (runs for every request): the stored-transcript view is inlined as a set lookup, decisions without
+    # Hot path (runs for every request): the stored-transcript view is inlined as a lookup, decisions without
     # payload are shared constants, and a block's label is only computed when a given history is searched.
     committed = history.seen_hashes if type(history) is CommittedHistory else None
     use_segments = segments is not None and len(segments) > 0
@@ -264,8 +343,12 @@ def decide(
         old = previous.get(block.id) if previous else None
         if old is not None and old != digest:
             append(_CHANGED)
-        elif digest in committed if committed is not None else history.has_full(block, digest):
-            append(DedupDecision("referenced", None, (), (), len(block.text)))
+            continue
+        present = (
+            _seen_label(committed, digest) if committed is not None else history.present_label(block, digest)
+        )
+        if present is not None:
+            append(DedupDecision("referenced", None, (), (), len(block.text), present))
         elif digest in seen_hashes:
             append(_RESENT)
         elif use_segments and block.text:

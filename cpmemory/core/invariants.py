@@ -9,6 +9,11 @@ cpmemory's internal decisions, so it checks any producer of prompts. A block pas
   whole segment of the prompt (not merely a substring: "b" inside a label does not count), and its label is named in
   the last message.
 
+A block's label is "D" + the first 7 or more hex digits of its content hash: the longest such label named in the last
+message that passes is the block's label. A label must name one text only: every block header "[<label>]" in the
+prompt must hold the block's text (in full or in part, ``cpmemory.core.dedup.label_holds_only``), otherwise a
+reference to it would be ambiguous (two texts whose short labels collide).
+
 Order: the labels of the blocks, distinct, in the caller's relevance order, must equal the order annotation of the
 last message when it has one, else the order in which the labels first appear at the start of a line of that message.
 
@@ -18,12 +23,13 @@ segmentation of the prompt when some block is not in full, plus one regex pass o
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from cpmemory.core import annotations
-from cpmemory.core.blocks import Block, BlockLike, normalize_blocks
-from cpmemory.core.dedup import split_segments
+from cpmemory.core.blocks import LABEL_HEX_DIGITS, Block, BlockLike, normalize_blocks
+from cpmemory.core.dedup import label_holds_only, split_segments
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,10 +70,33 @@ class _Prompt:
         return self._segments
 
 
-def _check_block(block: Block, label: str, prompt: _Prompt) -> tuple[str | None, str | None]:
-    """Return (how the block is present: "full" / "partial" / None, a violation or None)."""
+def _labels_named(block: Block, last: str) -> list[str]:
+    """Labels of the block's content hash named in the last message, longest first (the short one when none)."""
+    digest = block.content_hash
+    short = "D" + digest[:LABEL_HEX_DIGITS]
+    if f"[{short}" not in last:
+        return [short]
+    found = re.findall(r"\[(" + short + r"[0-9a-f]*)\]", last)
+    named = {label for label in found if digest.startswith(label[1:])}
+    return sorted(named, key=len, reverse=True) or [short]
+
+
+def _check_block(block: Block, prompt: _Prompt) -> tuple[str, str | None, str | None]:
+    """Return (the block's label, how it is present: "full" / "partial" / None, a violation or None)."""
+    problem: str | None = None
+    for label in _labels_named(block, prompt.last):
+        how, issue = _check_label(block, label, prompt)
+        if issue is None:
+            return label, how, None
+        problem = problem or issue
+    return block.label, None, problem
+
+
+def _check_label(block: Block, label: str, prompt: _Prompt) -> tuple[str | None, str | None]:
     if f"[{label}]" not in prompt.last:
         return None, f"block {block.id!r} ({label}) is not named in the last message"
+    if not label_holds_only(prompt.text, label, block.text):
+        return None, f"block {block.id!r} ({label}): the label also names another text in the prompt"
     if annotations.format_block(label, block.text) in prompt.text:
         return "full", None
     missing = [segment for segment in split_segments(block.text) if segment not in prompt.segments]
@@ -98,9 +127,8 @@ def check_no_loss(
     counts = {"full": 0, "partial": 0}
     labels: list[str] = []
     for block in normalized:
-        label = block.label
+        label, how, problem = _check_block(block, prompt)
         labels.append(label)
-        how, problem = _check_block(block, label, prompt)
         if problem:
             violations.append(problem)
         elif how:

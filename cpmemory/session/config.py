@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from cpmemory.core.blocks import LABEL_HEX_DIGITS
+from cpmemory.core.dedup import COLLISION_LABEL_DIGITS, FULL_LABEL_DIGITS
 
 DEFAULT_SYSTEM_PROMPT = (
     "You are a helpful assistant. Answer the question using the documents provided. "
@@ -30,6 +33,9 @@ class CpMemoryConfig(BaseModel):
             multiple of N turns (``cpmemory.session.turns.window_start``): it keeps 1 to N turns, and consecutive
             turns share their whole history prefix between two restarts. Blocks whose text falls out of the window
             are sent in full again ("resent"). A history passed by the caller is never cut.
+        label_digits: hex digits of the content hash in a block's label ("D" + digits; 7 to 32).
+        collision_label_digits: digits of the longer label a block gets when its label already names another text
+            in the prompt (see cpmemory.session.labels); more than ``label_digits``.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -45,3 +51,11 @@ class CpMemoryConfig(BaseModel):
     max_pending_turns: int = Field(10_000, ge=1)
     chars_per_token: float = Field(4.0, gt=0.0)
     max_history_turns: int | None = Field(None, ge=1)
+    label_digits: int = Field(LABEL_HEX_DIGITS, ge=LABEL_HEX_DIGITS, le=FULL_LABEL_DIGITS)
+    collision_label_digits: int = Field(COLLISION_LABEL_DIGITS, gt=LABEL_HEX_DIGITS, le=FULL_LABEL_DIGITS)
+
+    @model_validator(mode="after")
+    def _longer_collision_labels(self) -> CpMemoryConfig:
+        if self.collision_label_digits <= self.label_digits and self.label_digits < FULL_LABEL_DIGITS:
+            raise ValueError("collision_label_digits must be greater than label_digits")
+        return self

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cpmemory.core import annotations
-from cpmemory.core.blocks import Block, BlockLike, label_for_hash, normalize_blocks
+from cpmemory.core.blocks import Block, BlockLike, normalize_blocks
 from cpmemory.core.dedup import (
     CommittedHistory,
     DedupDecision,
@@ -26,6 +26,7 @@ from cpmemory.core.dedup import (
 from cpmemory.errors import InvalidBlockError, InvalidInputError
 from cpmemory.session.config import CpMemoryConfig
 from cpmemory.session.index import TenantIndexes
+from cpmemory.session.labels import LabelContext, assign_labels
 from cpmemory.stores.base import ConversationKey, Message, Reservation, ReserveRequest, SeenBlock, TurnRecord
 
 
@@ -228,10 +229,14 @@ def sent_history(
     return SentHistory(transcript[cut:], dropped_turns=dropped, turns_known=known)
 
 
-def history_view(sent: SentHistory, reservation: Reservation) -> HistoryView:
+def history_view(sent: SentHistory, reservation: Reservation, config: CpMemoryConfig) -> HistoryView:
     """How dedup looks up a block in the history sent: by content hash when possible, else by its text."""
     if not sent.stored or not sent.turns_known:
-        return GivenHistory.from_messages(sent.messages)
+        digits = {
+            "label_digits": config.label_digits,
+            "collision_label_digits": config.collision_label_digits,
+        }
+        return GivenHistory.from_messages(sent.messages, **digits)
     if sent.dropped_turns == 0:
         return CommittedHistory(reservation.seen)
     return CommittedHistory({h: s for h, s in reservation.seen.items() if s.turn > sent.dropped_turns})
@@ -245,25 +250,25 @@ def decide_blocks(
     reservation: Reservation,
     sent: SentHistory,
     config: CpMemoryConfig,
-    segment_source: SegmentSource | None = None,
+    segments: SegmentIndex | None = None,
 ) -> list[DedupDecision]:
-    """Run the dedup rules against the history this request sends. Pure apart from ``segment_source``'s cache.
+    """Run the dedup rules against the history this request sends. Pure.
 
     Args:
-        segment_source: returns the segment index of the history (cached for the stored transcript); by default
-            it is built from the history.
+        segments: the segment index of the history sent (for partial overlap); None: no partial overlap.
     """
     history = sent.messages
-    view = history_view(sent, reservation)
+    view = history_view(sent, reservation, config)
     kwargs = {"seen_hashes": reservation.seen, "previous_hash_for_id": reservation.previous_hash_for_id}
     decisions = decide(turn_input.blocks, turn_input.digests, view, **kwargs)
     wants_partial = (
         config.partial_overlap
         and history
+        and segments is not None
         and any(d.status == "new" and b.text for d, b in zip(decisions, turn_input.blocks))
     )
     if wants_partial:
-        segments = (segment_source or SegmentIndex.from_messages)(history)
+        assert segments is not None
         if len(segments):
             threshold = config.partial_overlap_threshold
             for i, (decision, block) in enumerate(zip(decisions, turn_input.blocks)):
@@ -295,11 +300,18 @@ def arrange(turn_input: TurnInput, shown: Sequence[int], prefix: Sequence[Hashab
 
 
 def render_user_message(
-    turn_input: TurnInput, decisions: Sequence[DedupDecision], order: Sequence[int], config: CpMemoryConfig
+    turn_input: TurnInput,
+    decisions: Sequence[DedupDecision],
+    order: Sequence[int],
+    config: CpMemoryConfig,
+    labels: Sequence[str],
 ) -> tuple[str, list[int | None], bool]:
-    """Write the user message. Returns (text, prompt position per block, whether the order was annotated). Pure."""
-    blocks, digests = turn_input.blocks, turn_input.digests
-    labels = [label_for_hash(digest) for digest in digests]
+    """Write the user message. Returns (text, prompt position per block, whether the order was annotated). Pure.
+
+    Args:
+        labels: each block's label in this prompt (cpmemory.session.labels.assign_labels).
+    """
+    blocks = turn_input.blocks
     positions: list[int | None] = [None] * len(blocks)
     sections: list[str] = []
     for position, i in enumerate(order):
@@ -347,7 +359,12 @@ def plan_turn(
 ) -> PreparedTurn:
     """Decide dedup, place the request in the tenant's index, order and write the prompt (mutates the index only)."""
     sent = sent_history(turn_input, reservation, config.max_history_turns)
-    decisions = decide_blocks(turn_input, reservation, sent, config, segment_source)
+    segments = (segment_source or SegmentIndex.from_messages)(sent.messages) if sent.messages else None
+    decisions = decide_blocks(turn_input, reservation, sent, config, segments)
+    context = LabelContext(
+        sent.messages, segments, reservation.seen, config.label_digits, config.collision_label_digits
+    )
+    labels = assign_labels(turn_input.blocks, turn_input.digests, decisions, context)
     shown = shown_indices(decisions)
     tenant = turn_input.key.tenant
     request_id = uuid.uuid4().hex if shown else ""
@@ -357,7 +374,7 @@ def plan_turn(
     else:
         placement = indexes.place(tenant, _context(turn_input, shown), request_id)
         order = arrange(turn_input, shown, placement.prefix)
-    text, positions, annotated = render_user_message(turn_input, decisions, order, config)
+    text, positions, annotated = render_user_message(turn_input, decisions, order, config, labels)
     return PreparedTurn(
         reservation_id=reservation.reservation_id,
         tenant=tenant,
@@ -365,7 +382,7 @@ def plan_turn(
         turn=reservation.turn + 1,
         request_id=request_id,
         messages=assemble_messages(turn_input.system_prompt, sent.messages, text),
-        decisions=_block_decisions(turn_input, decisions, positions),
+        decisions=_block_decisions(turn_input, decisions, positions, labels),
         prompt_order=[turn_input.blocks[i].id for i in order if decisions[i].in_full],
         dropped_turns=sent.dropped_turns,
         search_path=placement.search_path,
@@ -383,14 +400,15 @@ def _context(turn_input: TurnInput, indices: Sequence[int]) -> list[str]:
 
 
 def _block_decisions(
-    turn_input: TurnInput, decisions: Sequence[DedupDecision], positions: Sequence[int | None]
+    turn_input: TurnInput,
+    decisions: Sequence[DedupDecision],
+    positions: Sequence[int | None],
+    labels: Sequence[str],
 ) -> list[BlockDecision]:
     return [
-        BlockDecision(
-            block.id, label_for_hash(digest), decision.status, rank, position, digest, decision.saved_chars
-        )
-        for rank, (block, digest, decision, position) in enumerate(
-            zip(turn_input.blocks, turn_input.digests, decisions, positions)
+        BlockDecision(block.id, label, decision.status, rank, position, digest, decision.saved_chars)
+        for rank, (block, digest, decision, position, label) in enumerate(
+            zip(turn_input.blocks, turn_input.digests, decisions, positions, labels)
         )
     ]
 
@@ -399,7 +417,9 @@ def degraded_turn(turn_input: TurnInput, config: CpMemoryConfig) -> PreparedTurn
     """Pass-through when the store failed: relevance order, every block in full, nothing reserved or indexed."""
     decisions = [DedupDecision("new") for _ in turn_input.blocks]
     order = list(range(len(turn_input.blocks)))
-    text, positions, _ = render_user_message(turn_input, decisions, order, config)
+    context = LabelContext(digits=config.label_digits, longer=config.collision_label_digits)
+    labels = assign_labels(turn_input.blocks, turn_input.digests, decisions, context)
+    text, positions, _ = render_user_message(turn_input, decisions, order, config, labels)
     history = turn_input.history or ()
     return PreparedTurn(
         reservation_id="",
@@ -408,7 +428,7 @@ def degraded_turn(turn_input: TurnInput, config: CpMemoryConfig) -> PreparedTurn
         turn=0,
         request_id="",
         messages=assemble_messages(turn_input.system_prompt, history, text),
-        decisions=_block_decisions(turn_input, decisions, positions),
+        decisions=_block_decisions(turn_input, decisions, positions, labels),
         prompt_order=[block.id for block in turn_input.blocks],
         degraded=True,
         query=turn_input.query,

@@ -135,3 +135,28 @@ def test_segments_are_verbatim_substrings(text: str) -> None:
     assert all(segment and segment in text for segment in segments)
     assert sum(map(len, segments)) <= len(text)
     assert MIN_SEGMENT_CHARS > 0
+
+
+def test_label_holds_only_accepts_full_and_partial_copies_and_rejects_other_text() -> None:
+    from cpmemory.core.annotations import format_partial
+    from cpmemory.core.dedup import label_holds_only
+
+    text = "First sentence of the block is long enough. Second sentence of the block is long too."
+    full = format_block("Dabcdef0", text)
+    partial = format_partial("Dabcdef0", ["Second sentence of the block is long too."], ["D1234567"])
+    assert label_holds_only(f"{full}\n\nQuestion: q\n\n{partial}", "Dabcdef0", text)
+    assert label_holds_only("no header here", "Dabcdef0", text)
+    assert not label_holds_only(f"{full}\n\n[Dabcdef0]\nAnother text entirely.", "Dabcdef0", text)
+    assert not label_holds_only(format_block("Dabcdef0", text + " And more."), "Dabcdef0", text)
+    assert not label_holds_only(format_partial("Dabcdef0", ["Not a segment of it."], []), "Dabcdef0", text)
+
+
+def test_segment_index_knows_the_headers_of_the_messages_it_sees() -> None:
+    history = [
+        {"role": "user", "content": format_block("Dabcdef0", "x")},
+        {"role": "assistant", "content": "a"},
+        {"role": "user", "content": format_block("D1234567", "y")},
+    ]
+    index = SegmentIndex.from_messages(history)
+    assert index.has_header("Dabcdef0") and index.has_header("D1234567") and not index.has_header("D7654321")
+    assert not index.limited_to(2).has_header("D1234567")
