@@ -55,13 +55,22 @@ class NoLossReport:
 class _Prompt:
     """The prompt text, with its segment set computed only when a block is not found in full."""
 
-    __slots__ = ("_segments", "last", "text")
+    __slots__ = ("_named", "_segments", "last", "text")
 
     def __init__(self, messages: Sequence[Mapping[str, str]]) -> None:
         contents = [str(message.get("content", "")) for message in messages]
         self.text = "\n\n".join(contents)
         self.last = contents[-1] if contents else ""
         self._segments: set[str] | None = None
+        self._named: dict[str, set[str]] | None = None
+
+    def named(self, short: str) -> set[str]:
+        """Labels in brackets in the last message that start with ``short`` (one regex pass, on first use)."""
+        if self._named is None:
+            self._named = {}
+            for label in _BRACKETED_LABEL_RE.findall(self.last):
+                self._named.setdefault(label[: 1 + LABEL_HEX_DIGITS], set()).add(label)
+        return self._named.get(short, set())
 
     @property
     def segments(self) -> set[str]:
@@ -70,21 +79,21 @@ class _Prompt:
         return self._segments
 
 
-def _labels_named(block: Block, last: str) -> list[str]:
+_BRACKETED_LABEL_RE = re.compile(r"\[(" + annotations.LABEL_PATTERN + r")\]")
+
+
+def _labels_named(block: Block, prompt: _Prompt) -> list[str]:
     """Labels of the block's content hash named in the last message, longest first (the short one when none)."""
     digest = block.content_hash
     short = "D" + digest[:LABEL_HEX_DIGITS]
-    if f"[{short}" not in last:
-        return [short]
-    found = re.findall(r"\[(" + short + r"[0-9a-f]*)\]", last)
-    named = {label for label in found if digest.startswith(label[1:])}
+    named = [label for label in prompt.named(short) if digest.startswith(label[1:])]
     return sorted(named, key=len, reverse=True) or [short]
 
 
 def _check_block(block: Block, prompt: _Prompt) -> tuple[str, str | None, str | None]:
     """Return (the block's label, how it is present: "full" / "partial" / None, a violation or None)."""
     problem: str | None = None
-    for label in _labels_named(block, prompt.last):
+    for label in _labels_named(block, prompt):
         how, issue = _check_label(block, label, prompt)
         if issue is None:
             return label, how, None
