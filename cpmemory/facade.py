@@ -28,7 +28,7 @@ import uuid
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 from cpmemory.core.blocks import BlockLike, normalize_blocks
 from cpmemory.errors import InvalidInputError, StoreUnavailableError, UnknownReservationError
@@ -47,7 +47,13 @@ from cpmemory.session.turns import (
     reserve_request,
     turn_counts,
 )
-from cpmemory.stores.base import AsyncSessionStore, ConversationKey, ConversationState, SessionStore
+from cpmemory.stores.base import (
+    AsyncSessionStore,
+    ConversationKey,
+    ConversationState,
+    SessionStore,
+    TurnRecord,
+)
 from cpmemory.stores.memory import AsyncInMemorySessionStore, InMemorySessionStore
 
 logger = logging.getLogger(__name__)
@@ -146,14 +152,27 @@ class _FacadeCore:
             raise UnknownReservationError(f"unknown reservation {turn_or_id!r}")
         return entry[1]
 
-    def _commit_failed(self, error: Exception) -> Exception:
-        """Map a store error raised by commit: store failures become StoreUnavailableError (and are counted)."""
+    def _to_commit(self, turn_or_id: PreparedTurn | str, answer: str) -> tuple[PreparedTurn, TurnRecord]:
+        """Resolve the turn and build its record (validates ``answer`` before any store call)."""
+        turn = self._resolve(turn_or_id)
+        return turn, commit_record(turn, answer)
+
+    def _commit_failed(self, error: Exception) -> NoReturn:
+        """Re-raise a store error raised by commit: store failures become StoreUnavailableError (and are counted)."""
         if not is_store_failure(error):
-            return error
+            raise error
         self.counters.add(commit_failures=1)
         if isinstance(error, StoreUnavailableError):
-            return error
-        return StoreUnavailableError(f"commit failed: {error}")
+            raise error
+        raise StoreUnavailableError(f"commit failed: {error}") from error
+
+    def _to_abort(self, turn_or_id: PreparedTurn | str) -> PreparedTurn | None:
+        """The turn to release, or None when it is unknown or degraded (nothing to release)."""
+        try:
+            turn = self._resolve(turn_or_id)
+        except UnknownReservationError:
+            return None
+        return None if turn.degraded else turn
 
     def _committed(self, turn: PreparedTurn, number: int) -> int:
         self._forget(turn)
@@ -298,26 +317,19 @@ class CpMemory(_FacadeCore):
             UnknownReservationError, ReservationExpiredError: see the store contract.
             StoreUnavailableError: the store failed; the turn is not recorded (later turns will not refer to it).
         """
-        turn = self._resolve(turn_or_reservation_id)
-        record = commit_record(turn, answer)
+        turn, record = self._to_commit(turn_or_reservation_id, answer)
         if turn.degraded:
             return 0
         try:
             number = self.store.commit(turn.key, turn.reservation_id, record)
-        except Exception as error:
-            mapped = self._commit_failed(error)
-            if mapped is error:
-                raise
-            raise mapped from error
+        except Exception as error:  # noqa: BLE001 - _commit_failed re-raises it (mapped)
+            self._commit_failed(error)
         return self._committed(turn, number)
 
     def abort(self, turn_or_reservation_id: PreparedTurn | str) -> bool:
         """Release the turn (its LLM call failed); False when already released, unknown or degraded."""
-        try:
-            turn = self._resolve(turn_or_reservation_id)
-        except UnknownReservationError:
-            return False
-        if turn.degraded:
+        turn = self._to_abort(turn_or_reservation_id)
+        if turn is None:
             return False
         try:
             released = self.store.abort(turn.key, turn.reservation_id)
@@ -384,26 +396,19 @@ class AsyncCpMemory(_FacadeCore):
 
     async def commit(self, turn_or_reservation_id: PreparedTurn | str, answer: str) -> int:
         """See :meth:`CpMemory.commit`."""
-        turn = self._resolve(turn_or_reservation_id)
-        record = commit_record(turn, answer)
+        turn, record = self._to_commit(turn_or_reservation_id, answer)
         if turn.degraded:
             return 0
         try:
             number = await self.store.commit(turn.key, turn.reservation_id, record)
-        except Exception as error:
-            mapped = self._commit_failed(error)
-            if mapped is error:
-                raise
-            raise mapped from error
+        except Exception as error:  # noqa: BLE001 - _commit_failed re-raises it (mapped)
+            self._commit_failed(error)
         return self._committed(turn, number)
 
     async def abort(self, turn_or_reservation_id: PreparedTurn | str) -> bool:
         """See :meth:`CpMemory.abort`."""
-        try:
-            turn = self._resolve(turn_or_reservation_id)
-        except UnknownReservationError:
-            return False
-        if turn.degraded:
+        turn = self._to_abort(turn_or_reservation_id)
+        if turn is None:
             return False
         try:
             released = await self.store.abort(turn.key, turn.reservation_id)

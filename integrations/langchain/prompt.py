@@ -92,6 +92,19 @@ class CpMemoryPromptRunnable(TurnKeeper, Runnable[Mapping[str, Any], list[BaseMe
         }
         return turn if reservations == {turn.reservation_id} else None
 
+    def _start(
+        self, input: Mapping[str, Any], config: RunnableConfig | None
+    ) -> tuple[PromptInput, str | None, Any | None]:
+        """Parse the input: (input, conversation id or None, the retriever's reusable turn or None)."""
+        parsed = PromptInput.parse(input)
+        conversation = conversation_from_config(ensure_config(config), self.conversation_key)
+        return parsed, conversation, self._reusable(parsed, conversation)
+
+    def _prepare_call(self, parsed: PromptInput, conversation: str) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """Positional and keyword arguments of the facade's ``prepare`` for this input."""
+        assignment, options = self._arguments(parsed)
+        return (conversation, parsed.question, list(assignment.blocks)), options
+
     def _arguments(self, parsed: PromptInput) -> tuple[Any, dict[str, Any]]:
         assignment = documents_to_blocks(relevance_order(parsed.documents), self.id_key)
         options = {
@@ -121,16 +134,12 @@ class CpMemoryPromptRunnable(TurnKeeper, Runnable[Mapping[str, Any], list[BaseMe
         self, input: Mapping[str, Any], config: RunnableConfig | None = None, **kwargs: Any
     ) -> list[BaseMessage]:
         """Return the chat messages of the run's turn (prepares one unless the retriever already did)."""
-        parsed = PromptInput.parse(input)
-        conversation = conversation_from_config(ensure_config(config), self.conversation_key)
-        turn = self._reusable(parsed, conversation)
+        parsed, conversation, turn = self._start(input, config)
         if turn is None:
             if conversation is None:
                 return self._passthrough(parsed)
-            assignment, options = self._arguments(parsed)
-            turn = call_facade(
-                self.memory, "prepare", conversation, parsed.question, list(assignment.blocks), **options
-            )
+            args, options = self._prepare_call(parsed, conversation)
+            turn = call_facade(self.memory, "prepare", *args, **options)
             stale = self._replace(conversation, turn)
             if stale is not None:
                 call_facade(self.memory, "abort", stale)
@@ -140,16 +149,12 @@ class CpMemoryPromptRunnable(TurnKeeper, Runnable[Mapping[str, Any], list[BaseMe
         self, input: Mapping[str, Any], config: RunnableConfig | None = None, **kwargs: Any
     ) -> list[BaseMessage]:
         """Async :meth:`invoke`."""
-        parsed = PromptInput.parse(input)
-        conversation = conversation_from_config(ensure_config(config), self.conversation_key)
-        turn = self._reusable(parsed, conversation)
+        parsed, conversation, turn = self._start(input, config)
         if turn is None:
             if conversation is None:
                 return self._passthrough(parsed)
-            assignment, options = self._arguments(parsed)
-            turn = await acall_facade(
-                self.memory, "prepare", conversation, parsed.question, list(assignment.blocks), **options
-            )
+            args, options = self._prepare_call(parsed, conversation)
+            turn = await acall_facade(self.memory, "prepare", *args, **options)
             stale = self._replace(conversation, turn)
             if stale is not None:
                 await acall_facade(self.memory, "abort", stale)

@@ -91,25 +91,17 @@ class TurnKeeper:
         Raises:
             UnknownReservationError: the conversation has no pending turn.
         """
-        conversation = conversation_id or self.conversation_id(config)
-        if conversation is None:
-            return 0
-        turn = self.pending.pop(conversation)
-        if turn is None:
-            raise UnknownReservationError(f"no pending turn for conversation {conversation!r}")
-        return int(call_facade(self.memory, "commit", turn, answer_text(answer)))
+        turn = self._to_commit(config, conversation_id)
+        return 0 if turn is None else int(call_facade(self.memory, "commit", turn, answer_text(answer)))
 
     async def acommit(
         self, answer: Any, config: RunnableConfig | None = None, *, conversation_id: str | None = None
     ) -> int:
         """Async :meth:`commit`."""
-        conversation = conversation_id or self.conversation_id(config)
-        if conversation is None:
-            return 0
-        turn = self.pending.pop(conversation)
-        if turn is None:
-            raise UnknownReservationError(f"no pending turn for conversation {conversation!r}")
-        return int(await acall_facade(self.memory, "commit", turn, answer_text(answer)))
+        turn = self._to_commit(config, conversation_id)
+        return (
+            0 if turn is None else int(await acall_facade(self.memory, "commit", turn, answer_text(answer)))
+        )
 
     def abort(self, config: RunnableConfig | None = None, *, conversation_id: str | None = None) -> bool:
         """Drop the conversation's pending turn (records nothing); False when none was pending."""
@@ -135,6 +127,16 @@ class TurnKeeper:
             return answer
 
         return RunnableLambda(commit_step, afunc=acommit_step, name="cpmemory_commit")
+
+    def _to_commit(self, config: RunnableConfig | None, conversation_id: str | None) -> Any | None:
+        """The pending turn to commit; None without a conversation id (pass-through: nothing to record)."""
+        conversation = conversation_id or self.conversation_id(config)
+        if conversation is None:
+            return None
+        turn = self.pending.pop(conversation)
+        if turn is None:
+            raise UnknownReservationError(f"no pending turn for conversation {conversation!r}")
+        return turn
 
     def _replace(self, conversation: str, turn: Any) -> Any | None:
         """Record ``turn`` as pending; return the replaced (now stale) turn for the caller to abort."""

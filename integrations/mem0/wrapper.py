@@ -141,6 +141,33 @@ class _Mem0Adapter:
     def _take(self, conversation_id: str | None) -> Any | None:
         return self._pending.pop(_PASSTHROUGH_KEY if conversation_id is None else conversation_id)
 
+    def _to_commit(self, conversation_id: str | None) -> Any | None:
+        """The prepared turn to commit; None for a pass-through turn (nothing to record)."""
+        turn = self._take(conversation_id)
+        if isinstance(turn, PassthroughTurn):
+            return None
+        if turn is None:
+            raise UnknownReservationError(f"no pending Mem0 search for conversation {conversation_id!r}")
+        return turn
+
+    def _to_abort(self, conversation_id: str | None) -> tuple[bool, Any | None]:
+        """(whether a turn was pending, the prepared turn to release or None for a pass-through turn)."""
+        turn = self._take(conversation_id)
+        return turn is not None, None if isinstance(turn, PassthroughTurn) else turn
+
+    def _search_setup(
+        self,
+        user_id: str | None,
+        agent_id: str | None,
+        run_id: str | None,
+        filters: Mapping[str, Any] | None,
+        options: dict[str, Any],
+        conversation_id: str | None,
+    ) -> tuple[dict[str, Any], str | None]:
+        """Mem0's search arguments and the conversation of the turn."""
+        arguments = self._search_arguments(user_id, agent_id, run_id, filters, options)
+        return arguments, self._conversation(conversation_id, arguments)
+
 
 class CpMemoryMem0(_Mem0Adapter):
     """A ``mem0.Memory`` (or hosted ``MemoryClient``) whose ``search`` goes through cpmemory.
@@ -188,9 +215,10 @@ class CpMemoryMem0(_Mem0Adapter):
             InvalidInputError: the answer or one of its items is malformed (see ``integrations.mem0.results``).
         """
         options.update(top_k=top_k, threshold=threshold, rerank=rerank)
-        arguments = self._search_arguments(user_id, agent_id, run_id, filters, options)
+        arguments, conversation = self._search_setup(
+            user_id, agent_id, run_id, filters, options, conversation_id
+        )
         parsed = parse_search_results(self._memory.search(query, **arguments))
-        conversation = self._conversation(conversation_id, arguments)
         if conversation is None:
             return self._passthrough(query, parsed, history)
         turn = self._cpmemory.prepare(
@@ -209,19 +237,13 @@ class CpMemoryMem0(_Mem0Adapter):
         Raises:
             UnknownReservationError: nothing is pending for the conversation.
         """
-        turn = self._take(conversation_id)
-        if isinstance(turn, PassthroughTurn):
-            return 0
-        if turn is None:
-            raise UnknownReservationError(f"no pending Mem0 search for conversation {conversation_id!r}")
-        return int(self._cpmemory.commit(turn, answer))
+        turn = self._to_commit(conversation_id)
+        return 0 if turn is None else int(self._cpmemory.commit(turn, answer))
 
     def abort(self, *, conversation_id: str | None = None) -> bool:
         """Drop the conversation's pending turn (nothing is recorded); False when none was pending."""
-        turn = self._take(conversation_id)
-        if turn is None or isinstance(turn, PassthroughTurn):
-            return turn is not None
-        return bool(self._cpmemory.abort(turn))
+        pending, turn = self._to_abort(conversation_id)
+        return pending if turn is None else bool(self._cpmemory.abort(turn))
 
     # Mem0 methods passed through unchanged (listed for typing and discoverability).
     def add(self, messages: Any, **kwargs: Any) -> Any:
@@ -293,9 +315,10 @@ class AsyncCpMemoryMem0(_Mem0Adapter):
     ) -> dict[str, Any] | list[dict[str, Any]]:
         """Async :meth:`CpMemoryMem0.search` (same arguments, result and errors)."""
         options.update(top_k=top_k, threshold=threshold, rerank=rerank)
-        arguments = self._search_arguments(user_id, agent_id, run_id, filters, options)
+        arguments, conversation = self._search_setup(
+            user_id, agent_id, run_id, filters, options, conversation_id
+        )
         parsed = parse_search_results(await self._memory.search(query, **arguments))
-        conversation = self._conversation(conversation_id, arguments)
         if conversation is None:
             return self._passthrough(query, parsed, history)
         blocks: list[Block] = list(parsed.blocks)
@@ -307,19 +330,13 @@ class AsyncCpMemoryMem0(_Mem0Adapter):
 
     async def commit(self, answer: str, *, conversation_id: str | None = None) -> int:
         """Async :meth:`CpMemoryMem0.commit`."""
-        turn = self._take(conversation_id)
-        if isinstance(turn, PassthroughTurn):
-            return 0
-        if turn is None:
-            raise UnknownReservationError(f"no pending Mem0 search for conversation {conversation_id!r}")
-        return int(await self._cpmemory.commit(turn, answer))
+        turn = self._to_commit(conversation_id)
+        return 0 if turn is None else int(await self._cpmemory.commit(turn, answer))
 
     async def abort(self, *, conversation_id: str | None = None) -> bool:
         """Async :meth:`CpMemoryMem0.abort`."""
-        turn = self._take(conversation_id)
-        if turn is None or isinstance(turn, PassthroughTurn):
-            return turn is not None
-        return bool(await self._cpmemory.abort(turn))
+        pending, turn = self._to_abort(conversation_id)
+        return pending if turn is None else bool(await self._cpmemory.abort(turn))
 
     async def add(self, messages: Any, **kwargs: Any) -> Any:
         """``AsyncMemory.add`` unchanged."""
