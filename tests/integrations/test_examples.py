@@ -51,5 +51,7 @@ def test_mem0_chat_example_on_locomo(capsys: pytest.CaptureFixture[str]) -> None
     args = ["--data-dir", str(DATA), "--sessions", "2", "--questions", "4", "--top-k", "6", "--json"]
     assert example.main([*args, "--history-turns", "1"]) == 0
     windowed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert windowed["history_turns"] == 1 and windowed["full"] + windowed["referenced"] == windowed["memories"]
-    assert windowed["prompt_cpmemory"] < totals["prompt_cpmemory"]  # one turn of history instead of up to three
+    assert windowed["history_turns"] == 1
+    assert windowed["full"] + windowed["referenced"] == windowed["memories"]
+    # one turn of history instead of up to three
+    assert windowed["prompt_cpmemory"] < totals["prompt_cpmemory"]
