@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from cpmemory.errors import EngineUnreachableError, NoHealthyReplicaError
 from cpmemory.routing.router import RouteDecision, Router
 from cpmemory.routing.transport import ChatTransport, EngineStream
+
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,21 +83,12 @@ class Dispatcher:
             NoHealthyReplicaError: every replica is down (or failed during this call).
             EngineStatusError: the engine rejected the request (not retried).
         """
-        tried: list[str] = []
-        waited = 0.0
-        while True:
-            decision = self._choose(key, tried)
-            self.router.begin(decision.url)
-            started = time.perf_counter()
-            try:
-                response = await self.transport.complete(decision.url, payload, headers or {}, self.timeout_s)
-            except EngineUnreachableError:
-                self._fail(decision, tried)
-                continue
-            finally:
-                waited += time.perf_counter() - started
-                self.router.end(decision.url)
-            return DispatchResult(response, decision, len(tried), waited)
+
+        async def send(url: str) -> dict[str, Any]:
+            return await self.transport.complete(url, payload, headers or {}, self.timeout_s)
+
+        response, decision, failovers, waited = await self._with_failover(key, send, keep_in_flight=False)
+        return DispatchResult(response, decision, failovers, waited)
 
     async def open_stream(
         self, key: str, payload: Mapping[str, Any], headers: Mapping[str, str] | None = None
@@ -104,6 +97,21 @@ class Dispatcher:
 
         The call stays counted in flight until ``StreamDispatch.release()``.
         """
+
+        async def send(url: str) -> EngineStream:
+            return await self.transport.open_stream(url, payload, headers or {}, self.timeout_s)
+
+        stream, decision, failovers, waited = await self._with_failover(key, send, keep_in_flight=True)
+        return StreamDispatch(stream, decision, failovers, waited, self.router)
+
+    async def _with_failover(
+        self, key: str, send: Callable[[str], Awaitable[_T]], *, keep_in_flight: bool
+    ) -> tuple[_T, RouteDecision, int, float]:
+        """Run ``send`` on the key's replica, then on the next ones while they are unreachable.
+
+        The attempt is counted in flight while it runs; on success it stays counted when ``keep_in_flight`` (the
+        caller ends it). Returns the result, the replica that answered, the failovers and the time spent waiting.
+        """
         tried: list[str] = []
         waited = 0.0
         while True:
@@ -111,7 +119,7 @@ class Dispatcher:
             self.router.begin(decision.url)
             started = time.perf_counter()
             try:
-                stream = await self.transport.open_stream(decision.url, payload, headers or {}, self.timeout_s)
+                result = await send(decision.url)
             except EngineUnreachableError:
                 self.router.end(decision.url)
                 self._fail(decision, tried)
@@ -121,7 +129,9 @@ class Dispatcher:
                 raise
             finally:
                 waited += time.perf_counter() - started
-            return StreamDispatch(stream, decision, len(tried), waited, self.router)
+            if not keep_in_flight:
+                self.router.end(decision.url)
+            return result, decision, len(tried), waited
 
     def _choose(self, key: str, tried: list[str]) -> RouteDecision:
         try:
