@@ -112,7 +112,9 @@ def plain_user_message(blocks: Sequence[Block], order: Sequence[int], query: str
     labels = [block.label for block in blocks]
     sections = [annotations.format_block(labels[i], blocks[i].text) for i in order]
     appearance = [labels[i] for i in order]
-    return annotations.build_user_message(sections, [], labels if appearance != labels else None, query)
+    return annotations.build_user_message(
+        sections, [], labels if appearance != labels else None, query, appearance
+    )
 
 
 # ---------------------------------------------------------------- prompt builders

@@ -11,9 +11,14 @@ The user message of a turn has four sections, each separated by a blank line, al
 
     [D0c4e5aa] is shown earlier in this conversation.      <- one reference line per de-duplicated block
 
-    Relevance order: D0c4e5aa D3f9a0c1 D77b01e2      <- only when prompt order != relevance order
+    Relevance order: D0c4e5aa D3f9a0c1, then the rest as shown      <- only when prompt order != relevance order
 
     Question: <the query>
+
+The order annotation lists the labels in the caller's relevance order. When the prompt order and the relevance order
+end with the same labels (the planner keeps every block nobody shares in relevance order, so they often do), the
+annotation lists only the labels before that common tail and ends with ", then the rest as shown": the remaining
+labels follow in the order they appear in the prompt. It is shortened only when that makes it shorter.
 
 Labels come from the content hash (``Block.label``), so the same text gets the same label in every conversation and
 cross-session prefixes stay byte-identical; caller ids never reach the prompt, so an id cannot inject text.
@@ -29,6 +34,7 @@ REFERENCE_SUFFIX = " is shown earlier in this conversation."
 # Compact on purpose: the annotation is unique to each request, so every token of it is prefilled (never cached).
 # Labels are distinctive ("D" + hex digits), so they need no brackets here; the blocks keep "[label]" headers.
 ORDER_PREFIX = "Relevance order: "
+ORDER_REST = ", then the rest as shown"
 QUESTION_PREFIX = "Question: "
 SECTION_SEPARATOR = "\n\n"
 
@@ -79,9 +85,30 @@ def format_reference(label: str) -> str:
     return f"[{label}]{REFERENCE_SUFFIX}"
 
 
-def format_order(labels_in_relevance_order: Sequence[str]) -> str:
-    """Return the order annotation: the labels in the caller's relevance order."""
-    return ORDER_PREFIX + " ".join(labels_in_relevance_order)
+def format_order(labels_in_relevance_order: Sequence[str], appearance: Sequence[str] | None = None) -> str:
+    """Return the order annotation: the labels in the caller's relevance order.
+
+    Args:
+        labels_in_relevance_order: every label of the prompt, most relevant first.
+        appearance: the same labels in the order they appear in the prompt; when given, a tail the two orders share
+            is written as :data:`ORDER_REST` instead of its labels, if that is shorter.
+    """
+    relevance = list(labels_in_relevance_order)
+    full = ORDER_PREFIX + " ".join(relevance)
+    if appearance is None:
+        return full
+    shared = _common_tail(relevance, list(appearance))
+    if shared == 0 or shared == len(relevance):
+        return full
+    short = ORDER_PREFIX + " ".join(relevance[: len(relevance) - shared]) + ORDER_REST
+    return short if len(short) < len(full) else full
+
+
+def _common_tail(a: Sequence[str], b: Sequence[str]) -> int:
+    length = 0
+    while length < min(len(a), len(b)) and a[len(a) - 1 - length] == b[len(b) - 1 - length]:
+        length += 1
+    return length
 
 
 def format_question(query: str) -> str:
@@ -94,6 +121,7 @@ def build_user_message(
     references: Sequence[str],
     order_labels: Sequence[str] | None,
     query: str,
+    appearance: Sequence[str] | None = None,
 ) -> str:
     """Assemble the user message from already formatted parts.
 
@@ -102,6 +130,8 @@ def build_user_message(
         references: labels of de-duplicated blocks, in prompt order.
         order_labels: labels in relevance order, or None when no order annotation is needed.
         query: the question.
+        appearance: the labels in prompt order (shown, then references); lets the annotation name a shared tail
+            as "the rest as shown" (see :func:`format_order`).
 
     Returns:
         The user message text. Pure; O(total length).
@@ -110,17 +140,36 @@ def build_user_message(
     if references:
         sections.append("\n".join(format_reference(label) for label in references))
     if order_labels:
-        sections.append(format_order(order_labels))
+        sections.append(format_order(order_labels, appearance))
     sections.append(format_question(query))
     return SECTION_SEPARATOR.join(sections)
 
 
 def parse_order(text: str) -> list[str] | None:
-    """Return the labels of the order annotation of a user message, or None when there is none."""
+    """Return the labels the order annotation of a user message lists, or None when there is none.
+
+    For a shortened annotation (ending with :data:`ORDER_REST`) these are only the leading labels; use
+    :func:`annotated_order` for the whole order.
+    """
     match = ORDER_LINE_RE.search(text)
     if match is None:
         return None
     return _BARE_LABEL_RE.findall(match.group(1))
+
+
+def annotated_order(text: str, labels: set[str] | frozenset[str]) -> list[str] | None:
+    """Return the relevance order the annotation of a user message states, or None when there is none.
+
+    A shortened annotation is completed with the other ``labels`` in the order they appear in the prompt.
+    """
+    match = ORDER_LINE_RE.search(text)
+    if match is None:
+        return None
+    listed = _BARE_LABEL_RE.findall(match.group(1))
+    if not match.group(1).endswith(ORDER_REST):
+        return listed
+    named = set(listed)
+    return listed + [label for label in appearance_order(text, labels) if label not in named]
 
 
 def appearance_order(text: str, labels: set[str] | frozenset[str]) -> list[str]:

@@ -151,7 +151,7 @@ def check_no_loss(
 
 def _check_order(labels: Sequence[str], last: str) -> str | None:
     expected = list(dict.fromkeys(labels))
-    annotated = annotations.parse_order(last)
+    annotated = annotations.annotated_order(last, frozenset(expected))
     if annotated is not None:
         if annotated == expected:
             return None

@@ -335,7 +335,7 @@ def render_user_message(
     appearance = list(dict.fromkeys([labels[i] for i in order] + references))
     annotate = config.annotate_order and appearance != relevance
     text = annotations.build_user_message(
-        sections, references, relevance if annotate else None, turn_input.query
+        sections, references, relevance if annotate else None, turn_input.query, appearance
     )
     return text, positions, annotate
 

@@ -67,3 +67,31 @@ def test_order_look_alikes_in_text_or_query_are_ignored() -> None:
     assert annotations.parse_order(with_annotation) == ["D1111111"]
     without = annotations.build_user_message([block], [], None, "q\n" + fake)
     assert annotations.parse_order(without) is None
+
+
+@settings(max_examples=200, deadline=None)
+@given(labels, st.randoms(use_true_random=False))
+def test_shortened_annotation_recovers_the_whole_order(relevance: list[str], random) -> None:
+    appearance = list(relevance)
+    random.shuffle(appearance)
+    shown = [annotations.format_block(label, f"text of {label}") for label in appearance]
+    message = annotations.build_user_message(shown, [], relevance, "q", appearance)
+    assert annotations.annotated_order(message, set(relevance)) == relevance
+    assert len(message) <= len(annotations.build_user_message(shown, [], relevance, "q"))
+
+
+def test_common_tail_is_written_as_the_rest() -> None:
+    relevance = ["D1111111", "D2222222", "D3333333", "D4444444", "D5555555", "D6666666"]
+    appearance = ["D3333333", "D1111111", "D2222222", "D4444444", "D5555555", "D6666666"]  # D3 moved to the front
+    shown = [annotations.format_block(label, "x") for label in appearance]
+    message = annotations.build_user_message(shown, [], relevance, "q", appearance)
+    assert "Relevance order: D1111111 D2222222 D3333333, then the rest as shown\n\nQuestion: q" in message
+    assert annotations.parse_order(message) == relevance[:3]
+    assert annotations.annotated_order(message, set(relevance)) == relevance
+
+
+def test_a_one_label_tail_is_not_shortened() -> None:
+    relevance = ["D1111111", "D2222222", "D3333333"]
+    appearance = ["D2222222", "D1111111", "D3333333"]
+    line = annotations.format_order(relevance, appearance)
+    assert line == "Relevance order: D1111111 D2222222 D3333333"  # ", then the rest as shown" is longer
