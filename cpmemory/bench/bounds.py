@@ -14,6 +14,9 @@ template, block headers). Three bounds:
   spanning forest, so total reuse is at most a maximum spanning forest of the overlap graph (built sparsely from an
   inverted index over segments; ``scipy.sparse.csgraph.minimum_spanning_tree`` on negated weights) plus the frames
   and seams of all requests but one. It holds for any order, schedule and cache size, and never exceeds the oracle.
+* :func:`exact_trie_optimum` (small batches only): the most block tokens any block orders can reuse, found by a
+  dynamic programme over subsets (O(3^n), n <= 16). The planner's tests and ``scripts/planner_ceiling.py`` use it to
+  measure how far the planner is from the optimum and how far the optimum is from the MST bound.
 * :func:`dedup_bound_tokens` (multi-turn): tokens of blocks whose content was already shown in an earlier turn of
   the same session: what de-duplication could remove at most.
 
@@ -22,16 +25,17 @@ All functions are pure. Complexity: O(sum over segments of (requests holding it)
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import pairwise
 
 import numpy as np
-from scipy.sparse import coo_matrix
+from scipy.sparse import coo_matrix, csr_matrix
 from scipy.sparse.csgraph import minimum_spanning_tree
 
 from cpmemory.bench.trace import Trace
 from cpmemory.core.blocks import content_hash
+from cpmemory.errors import InvalidInputError
 
 _PAIR_CHUNK = 4_000_000
 
@@ -199,3 +203,69 @@ def dedup_bound_tokens(trace: Trace, count_tokens) -> int:
             hashes.append(digest)
         current.update(hashes)
     return total
+
+
+EXACT_MAX_REQUESTS = 16
+"""Largest batch :func:`exact_trie_optimum` accepts (3^16 = 43M split evaluations)."""
+
+
+def exact_trie_optimum(contexts: Sequence[Sequence[Hashable]], weights: Mapping[Hashable, float]) -> float:
+    """Return the most block tokens any block orders of ``contexts`` can reuse when run depth-first (exact).
+
+    Block orders define a prefix tree, and the reuse of a depth-first run is the token weight of the blocks every
+    request below a branching node shares, summed over the nodes of a binary tree over the requests. So the best
+    tree over a set S of requests is worth ``tokens(blocks all of S hold)`` plus the best split of S in two, a
+    dynamic programme over the 2^n subsets (3^n split evaluations). Pure.
+
+    Raises:
+        InvalidInputError: more than :data:`EXACT_MAX_REQUESTS` requests.
+    """
+    n = len(contexts)
+    if n > EXACT_MAX_REQUESTS:
+        raise InvalidInputError(f"exact_trie_optimum takes at most {EXACT_MAX_REQUESTS} requests, got {n}")
+    if n < 2:
+        return 0.0
+    sets = [frozenset(context) for context in contexts]
+    common: dict[int, frozenset] = {}
+    best = [0.0] * (1 << n)
+    for mask in sorted(range(1, 1 << n), key=int.bit_count):
+        low = mask & -mask
+        rest = mask ^ low
+        own = sets[low.bit_length() - 1]
+        common[mask] = own if rest == 0 else common[rest] & own
+        if rest == 0:
+            continue
+        split, part = -1.0, rest
+        while True:
+            left = part | low
+            if left != mask:
+                split = max(split, best[left] + best[mask ^ left])
+            if part == 0:
+                break
+            part = (part - 1) & rest
+        best[mask] = sum(float(weights.get(block, 1.0)) for block in common[mask]) + split
+    return best[(1 << n) - 1]
+
+
+def mst_block_reuse(contexts: Sequence[Sequence[Hashable]], weights: Mapping[Hashable, float]) -> float:
+    """The MST bound on block tokens alone: a maximum spanning forest of the token-weighted pairwise overlaps."""
+    index: dict[Hashable, int] = {}
+    rows, cols, values = [], [], []
+    for row, context in enumerate(contexts):
+        for block in dict.fromkeys(context):
+            rows.append(row)
+            cols.append(index.setdefault(block, len(index)))
+            values.append(float(weights.get(block, 1.0)))
+    if not rows:
+        return 0.0
+    shape = (len(contexts), len(index))
+    weighted = csr_matrix((values, (rows, cols)), shape=shape)
+    member = csr_matrix((np.ones(len(rows)), (rows, cols)), shape=shape)
+    overlap = (weighted @ member.T).tocoo()
+    keep = overlap.row < overlap.col
+    if not keep.any():
+        return 0.0
+    top = float(overlap.data[keep].max()) + 1.0  # negate into positive costs: a minimum tree of (top - overlap)
+    graph = csr_matrix((top - overlap.data[keep], (overlap.row[keep], overlap.col[keep])), shape=(len(contexts),) * 2)
+    tree = minimum_spanning_tree(graph).tocoo()
+    return float(np.sum(top - tree.data))

@@ -37,6 +37,8 @@ Context = Sequence[Hashable]
 
 RATCHET_FRACTION = 0.2
 """Share of the blocks whose weight a ratchet step perturbs."""
+RATCHET_NODE_BUDGET = 8_000
+"""Ratchet steps on a group are capped at this many tree nodes per group size (bounds time on big groups)."""
 MIN_GAIN = 1e-6
 """A move must raise the value by more than this many tokens (guards against float ties cycling)."""
 
@@ -60,7 +62,7 @@ class Dendrogram:
         self._free = list(range(size - 1, n - 1, -1))
         self.root = 0 if n else -1
         self._preorder: np.ndarray | None = None
-        self._ends: tuple[np.ndarray, np.ndarray] | None = None
+        self._ends: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
 
     # -- structure ------------------------------------------------------------------------------------------------
 
@@ -193,6 +195,8 @@ class Dendrogram:
         gain[p] = -np.inf
         gain[q] = -np.inf  # where it was
         t = int(np.argmax(gain))
+        if not np.isfinite(gain[t]):
+            return -np.inf, -1  # nowhere else to go
         return float(gain[t] + cut_gain), t
 
     def _layout(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -207,8 +211,47 @@ class Dendrogram:
                     size[node] = 1 + size[self.left[node]] + size[self.right[node]]
             end = np.zeros(len(self.parent), dtype=np.int64)
             end[order] = position[order] + size[order]
-            self._ends = (position, end)
+            self._ends = (position, end, size)
         return order, self._ends[0], self._ends[1]
+
+    def _ancestors(self, node: int) -> list[int]:
+        out = []
+        while (node := self.parent[node]) >= 0:
+            out.append(node)
+        return out
+
+    def move(self, s: int, t: int) -> None:
+        """Prune subtree ``s`` and regraft it above ``t``, patching the cached preorder instead of rebuilding it.
+
+        The preorder loses ``s``'s parent and ``s``'s interval, then gets the new node before ``t`` and the interval
+        after ``t``'s subtree; subtree sizes change only along the two ancestor paths. O(nodes) numpy + O(depth).
+        """
+        if self._preorder is None or self._ends is None:
+            self.prune(s)
+            self.regraft(s, t)
+            return
+        order = self._preorder
+        position, _, size = self._ends
+        p = self.parent[s]
+        start, stop = position[s], position[s] + size[s]
+        keep = np.ones(len(order), dtype=bool)
+        keep[position[p]] = False
+        keep[start:stop] = False
+        moved, rest = order[start:stop], order[keep]
+        size[self._ancestors(p)] -= len(moved) + 1
+        self.prune(s)
+        self.regraft(s, t)
+        new = self.parent[s]
+        at = int(np.flatnonzero(rest == t)[0])
+        after = at + size[t]
+        order = np.concatenate([rest[:at], [new], rest[at:after], moved, rest[after:]])
+        size[new] = size[t] + len(moved) + 1
+        size[self._ancestors(new)] += len(moved) + 1
+        position[order] = np.arange(len(order))
+        end = np.zeros(len(self.parent), dtype=np.int64)
+        end[order] = position[order] + size[order]
+        self._preorder = order
+        self._ends = (position, end, size)
 
     def spr_pass(self) -> int:
         """Try to move every subtree once; apply each improving move. Return the number of moves."""
@@ -218,8 +261,7 @@ class Dendrogram:
                 continue
             gain, t = self.best_move(s)
             if gain > MIN_GAIN:
-                self.prune(s)
-                self.regraft(s, t)
+                self.move(s, t)
                 moves += 1
         return moves
 
@@ -230,10 +272,12 @@ class Dendrogram:
                 return
 
     def copy(self) -> Dendrogram:
-        """An independent copy."""
+        """An independent copy (its preorder cache is rebuilt on first use)."""
         other = object.__new__(Dendrogram)
         other.__dict__ = {key: (value.copy() if isinstance(value, (np.ndarray, list)) else value)
                           for key, value in self.__dict__.items()}
+        other._preorder = None
+        other._ends = None
         return other
 
 
@@ -333,7 +377,8 @@ def improve_orders(
         orders: a starting order per request (a permutation of its context), e.g. the planner's best.
         weights: tokens per block (default 1).
         priority: order of blocks added at one node (higher first).
-        ratchet_steps: perturb-and-climb rounds per group of connected requests (0: SPR only).
+        ratchet_steps: perturb-and-climb rounds per group of connected requests (0: SPR only); a group of R
+            requests gets at most ``RATCHET_NODE_BUDGET // (2R - 1)`` of them.
         max_passes: SPR passes per climb.
         seed: the ratchet's random seed.
 
@@ -357,7 +402,7 @@ def improve_orders(
         tree = dendrogram_from_orders([orders[index] for index in group], members, true_weights)
         tree.climb(max_passes)
         best, best_value = tree.copy(), tree.value()
-        for _ in range(ratchet_steps):
+        for _ in range(min(ratchet_steps, RATCHET_NODE_BUDGET // (2 * len(group) - 1))):
             perturbed = rng.random(len(blocks)) < RATCHET_FRACTION
             factors = np.where(perturbed, rng.choice([0.0, 2.0], len(blocks)), 1.0)
             tree.reweigh(true_weights * factors)

@@ -9,6 +9,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from cpmemory.bench.bounds import exact_trie_optimum, mst_block_reuse
 from cpmemory.core.planner import plan_batch, trie_savings
 from cpmemory.core.planner_search import Dendrogram, dendrogram_from_orders, improve_orders, orders_from_dendrogram
 from cpmemory.core.planner_tree import first_seen_ranks
@@ -22,34 +23,6 @@ def _members(contexts, blocks):
     for row, context in enumerate(contexts):
         members[row, [column[b] for b in context]] = 1.0
     return members
-
-
-def exact_optimum(contexts, weights) -> float:
-    """Most tokens any block orders can reuse (run depth-first): a dynamic programme over subsets of requests.
-
-    Independent of the planner: the best binary tree over a set S is worth tokens(blocks all of S hold) plus the
-    best split of S into two parts. O(3^n).
-    """
-    n = len(contexts)
-    sets = [frozenset(c) for c in contexts]
-    common: dict[int, frozenset] = {}
-    best = [0.0] * (1 << n)
-    for mask in sorted(range(1, 1 << n), key=lambda m: bin(m).count("1")):
-        low = mask & -mask
-        rest = mask ^ low
-        common[mask] = sets[low.bit_length() - 1] if rest == 0 else common[rest] & sets[low.bit_length() - 1]
-        if rest == 0:
-            continue
-        split, part = -1.0, rest
-        while True:
-            left = part | low
-            if left != mask:
-                split = max(split, best[left] + best[mask ^ left])
-            if part == 0:
-                break
-            part = (part - 1) & rest
-        best[mask] = sum(weights[b] for b in common[mask]) + split
-    return best[(1 << n) - 1]
 
 
 @settings(max_examples=120, deadline=None)
@@ -115,7 +88,7 @@ def test_planner_reaches_the_exact_optimum_on_small_batches() -> None:
         plan = plan_batch(contexts, token_counts=weights)
         ranks = first_seen_ranks(contexts)
         planned = trie_savings([plan.contexts[i] for i in range(len(contexts))], weights, ranks)[0]
-        optimum = exact_optimum(contexts, weights)
+        optimum = exact_trie_optimum(contexts, weights)
         assert planned <= optimum + 1e-9  # nothing can beat the optimum: guards the savings arithmetic
         planned_total += planned
         optimum_total += optimum
@@ -134,3 +107,53 @@ def test_search_is_deterministic() -> None:
 def test_leaves_only_tree_is_worth_nothing() -> None:
     tree = Dendrogram(np.eye(3, dtype=np.float32), np.ones(3))
     assert tree.value() == 0.0
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 4), min_size=1, max_size=3, unique=True), min_size=2, max_size=4), st.data())
+def test_exact_optimum_matches_brute_force_over_every_block_order(contexts, data) -> None:
+    from itertools import permutations, product
+
+    weights = {b: data.draw(st.integers(1, 6)) for b in range(5)}
+    ranks = first_seen_ranks(contexts)
+    brute = max(
+        trie_savings([list(o) for o in orders], weights, ranks)[0]
+        for orders in product(*(permutations(c) for c in contexts))
+    )
+    assert exact_trie_optimum(contexts, weights) == brute
+    assert exact_trie_optimum(contexts, weights) <= mst_block_reuse(contexts, weights) + 1e-9
+
+
+@settings(max_examples=80, deadline=None)
+@given(batches, st.data())
+def test_patched_layout_after_moves_equals_a_fresh_one(contexts, data) -> None:
+    weights = {b: 1 for b in range(10)}
+    blocks = list(dict.fromkeys(b for c in contexts for b in c))
+    tree = dendrogram_from_orders(contexts, _members(contexts, blocks), np.array([weights[b] for b in blocks]))
+    for _ in range(5):
+        nodes = [int(n) for n in tree._layout()[0] if n != tree.root]
+        s = data.draw(st.sampled_from(nodes))
+        gain, t = tree.best_move(s)
+        if not np.isfinite(gain):
+            continue
+        tree.move(s, t)
+        order, position, end = tree._layout()
+        tree._preorder = None
+        fresh, fresh_position, fresh_end = tree._layout()
+        assert order.tolist() == fresh.tolist()
+        assert position[order].tolist() == fresh_position[fresh].tolist()
+        assert end[order].tolist() == fresh_end[fresh].tolist()
+
+
+def test_a_copy_is_independent_of_later_moves() -> None:
+    rng = random.Random(5)
+    contexts = _clustered_batch(rng, 30)
+    blocks = list(dict.fromkeys(b for c in contexts for b in c))
+    tree = dendrogram_from_orders(contexts, _members(contexts, blocks), np.ones(len(blocks)))
+    tree._layout()
+    snapshot = tree.copy()
+    value, order = snapshot.value(), snapshot.preorder().tolist()
+    tree.climb(4)
+    assert snapshot.value() == value and snapshot.preorder().tolist() == order
+    snapshot.climb(4)  # its own cached layout stays consistent
+    assert snapshot.value() >= value
