@@ -29,12 +29,12 @@ from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from planner_eval import block_tokens, contexts_of  # noqa: E402
+from planner_eval import block_tokens, contexts_of
 
-from cpmemory.bench.bounds import exact_trie_optimum, mst_block_reuse  # noqa: E402
-from cpmemory.bench.loaders import load_workload  # noqa: E402
-from cpmemory.core.planner import plan_batch, trie_savings  # noqa: E402
-from cpmemory.core.planner_tree import first_seen_ranks  # noqa: E402
+from cpmemory.bench.bounds import exact_trie_optimum, mst_block_reuse
+from cpmemory.bench.loaders import load_workload
+from cpmemory.core.planner import plan_batch, trie_savings
+from cpmemory.core.planner_tree import first_seen_ranks
 
 
 def planned_reuse(contexts, weights, ratchet_steps=8) -> float:
@@ -69,7 +69,7 @@ def main() -> None:
     for column in ("workload", "k", "sampling", "planner / optimum", "optimum / MST"):
         small.add_column(column, justify="right")
     full = Table(title="Whole batch: reuse over the MST bound (block tokens)")
-    for column in ("workload", "planner, no search", "planner", "MST bound tokens"):
+    for column in ("workload", "planner, SPR only", "planner", "MST bound tokens"):
         full.add_column(column, justify="right")
     for name in args.workloads:
         contexts, texts = contexts_of(load_workload(name, args.data_dir))
