@@ -49,6 +49,7 @@ from cpmemory.core.planner_search import improve_orders
 from cpmemory.core.planner_tree import (
     build_core_tree,
     build_split_orders,
+    common_prefix,
     core_tree_orders,
     first_seen_ranks,
     remaining_blocks,
@@ -131,15 +132,6 @@ def _plan_units(
     return schedule, restore_unshared_tails(contexts, orders, schedule)
 
 
-def _common_prefix(a: Context, b: Context) -> int:
-    length = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        length += 1
-    return length
-
-
 def restore_unshared_tails(
     contexts: Sequence[Context], orders: Sequence[Context], schedule: Sequence[int]
 ) -> list[list]:
@@ -151,7 +143,7 @@ def restore_unshared_tails(
     """
     shared = [0] * len(orders)
     for previous, current in pairwise(schedule):
-        length = _common_prefix(orders[previous], orders[current])
+        length = common_prefix(orders[previous], orders[current])
         shared[previous] = max(shared[previous], length)
         shared[current] = max(shared[current], length)
     out = []

@@ -33,6 +33,8 @@ import numpy as np
 from scipy.sparse import csr_matrix
 from scipy.sparse.csgraph import connected_components
 
+from cpmemory.core.planner_tree import common_prefix, remaining_blocks
+
 Context = Sequence[Hashable]
 
 RATCHET_FRACTION = 0.2
@@ -292,7 +294,7 @@ def dendrogram_from_orders(orders: Sequence[Context], members: np.ndarray, weigh
         if current is None:
             shared = -1
         else:
-            shared = _common_prefix(keyed[previous], keyed[current])
+            shared = common_prefix(keyed[previous], keyed[current])
         node = previous
         while stack and stack[-1][1] >= shared:
             left, _ = stack.pop()
@@ -303,13 +305,17 @@ def dendrogram_from_orders(orders: Sequence[Context], members: np.ndarray, weigh
     return tree
 
 
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    length = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        length += 1
-    return length
+def build_dendrogram(
+    contexts: Sequence[Context], orders: Sequence[Context], weights: Mapping[Hashable, float]
+) -> tuple[Dendrogram, list[Hashable]]:
+    """The dendrogram of ``orders`` over ``contexts``' blocks; returns it and the blocks (its core columns)."""
+    blocks = list(dict.fromkeys(block for context in contexts for block in context))
+    column = {block: i for i, block in enumerate(blocks)}
+    members = np.zeros((len(contexts), len(blocks)), dtype=np.float32)
+    for row, context in enumerate(contexts):
+        members[row, [column[block] for block in context]] = 1.0
+    block_weights = np.array([float(weights.get(block, 1.0)) for block in blocks])
+    return dendrogram_from_orders(orders, members, block_weights), blocks
 
 
 def orders_from_dendrogram(
@@ -321,9 +327,7 @@ def orders_from_dendrogram(
     while stack:
         node, prefix = stack.pop()
         if node < tree.leaves:
-            placed = set(prefix)
-            orders[node] = prefix + [block for block in dict.fromkeys(contexts[node]) if block not in placed]
-            orders[node] += _duplicates(contexts[node])
+            orders[node] = prefix + remaining_blocks(contexts[node], prefix)
             continue
         placed = set(prefix)
         added = [blocks[i] for i in np.flatnonzero(tree.core[node]) if blocks[i] not in placed]
@@ -331,16 +335,6 @@ def orders_from_dendrogram(
         stack.append((tree.right[node], prefix + added))
         stack.append((tree.left[node], prefix + added))
     return orders
-
-
-def _duplicates(context: Context) -> list[Hashable]:
-    seen: set[Hashable] = set()
-    out = []
-    for block in context:
-        if block in seen:
-            out.append(block)
-        seen.add(block)
-    return out
 
 
 def components(contexts: Sequence[Context]) -> list[list[int]]:
@@ -393,13 +387,10 @@ def improve_orders(
         if len(group) < 3:
             schedule.extend(group)
             continue
-        blocks = list(dict.fromkeys(block for index in group for block in contexts[index]))
-        column = {block: i for i, block in enumerate(blocks)}
-        members = np.zeros((len(group), len(blocks)), dtype=np.float32)
-        for row, index in enumerate(group):
-            members[row, [column[block] for block in contexts[index]]] = 1.0
-        true_weights = np.array([float(weights.get(block, 1.0)) for block in blocks])
-        tree = dendrogram_from_orders([orders[index] for index in group], members, true_weights)
+        tree, blocks = build_dendrogram(
+            [contexts[index] for index in group], [orders[index] for index in group], weights
+        )
+        true_weights = tree.weights.copy()
         tree.climb(max_passes)
         best, best_value = tree.copy(), tree.value()
         for _ in range(min(ratchet_steps, RATCHET_NODE_BUDGET // (2 * len(group) - 1))):

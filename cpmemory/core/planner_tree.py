@@ -45,6 +45,16 @@ def first_seen_ranks(contexts: Sequence[Context]) -> dict[Hashable, int]:
     return ranks
 
 
+def common_prefix(a: Sequence[Hashable], b: Sequence[Hashable]) -> int:
+    """Length of the common prefix of two sequences."""
+    length = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        length += 1
+    return length
+
+
 def remaining_blocks(context: Context, prefix: Sequence[Hashable]) -> list[Hashable]:
     """``context`` without the blocks of ``prefix`` (one copy per placement), in input order."""
     placed = Counter(prefix)

@@ -13,21 +13,13 @@ from cpmemory.bench.bounds import exact_trie_optimum, mst_block_reuse
 from cpmemory.core.planner import plan_batch, trie_savings
 from cpmemory.core.planner_search import (
     Dendrogram,
-    dendrogram_from_orders,
+    build_dendrogram,
     improve_orders,
     orders_from_dendrogram,
 )
 from cpmemory.core.planner_tree import first_seen_ranks
 
 batches = st.lists(st.lists(st.integers(0, 9), min_size=1, max_size=6, unique=True), min_size=3, max_size=14)
-
-
-def _members(contexts, blocks):
-    column = {block: i for i, block in enumerate(blocks)}
-    members = np.zeros((len(contexts), len(blocks)), dtype=np.float32)
-    for row, context in enumerate(contexts):
-        members[row, [column[b] for b in context]] = 1.0
-    return members
 
 
 @settings(max_examples=120, deadline=None)
@@ -46,8 +38,7 @@ def test_search_keeps_permutations_and_never_loses_reuse(contexts, data) -> None
 @given(batches, st.data())
 def test_orders_of_a_dendrogram_reuse_at_least_its_value(contexts, data) -> None:
     weights = {b: data.draw(st.integers(1, 6)) for b in range(10)}
-    blocks = list(dict.fromkeys(b for c in contexts for b in c))
-    tree = dendrogram_from_orders(contexts, _members(contexts, blocks), np.array([weights[b] for b in blocks]))
+    tree, blocks = build_dendrogram(contexts, contexts, weights)
     orders = orders_from_dendrogram(tree, contexts, blocks, {})
     ranks = first_seen_ranks(contexts)
     # siblings' subtrees may also happen to agree on the next block, so the orders can reuse a little more
@@ -59,8 +50,7 @@ def test_orders_of_a_dendrogram_reuse_at_least_its_value(contexts, data) -> None
 @given(batches, st.data())
 def test_a_predicted_move_gain_is_the_real_change(contexts, data) -> None:
     weights = {b: data.draw(st.integers(1, 6)) for b in range(10)}
-    blocks = list(dict.fromkeys(b for c in contexts for b in c))
-    tree = dendrogram_from_orders(contexts, _members(contexts, blocks), np.array([weights[b] for b in blocks]))
+    tree, _ = build_dendrogram(contexts, contexts, weights)
     for s in data.draw(st.permutations([int(n) for n in tree.preorder()]))[:6]:
         if s == tree.root:
             continue
@@ -133,8 +123,7 @@ def test_exact_optimum_matches_brute_force_over_every_block_order(contexts, data
 @given(batches, st.data())
 def test_patched_layout_after_moves_equals_a_fresh_one(contexts, data) -> None:
     weights = {b: 1 for b in range(10)}
-    blocks = list(dict.fromkeys(b for c in contexts for b in c))
-    tree = dendrogram_from_orders(contexts, _members(contexts, blocks), np.array([weights[b] for b in blocks]))
+    tree, _ = build_dendrogram(contexts, contexts, weights)
     for _ in range(5):
         nodes = [int(n) for n in tree._layout()[0] if n != tree.root]
         s = data.draw(st.sampled_from(nodes))
@@ -153,8 +142,7 @@ def test_patched_layout_after_moves_equals_a_fresh_one(contexts, data) -> None:
 def test_a_copy_is_independent_of_later_moves() -> None:
     rng = random.Random(5)
     contexts = _clustered_batch(rng, 30)
-    blocks = list(dict.fromkeys(b for c in contexts for b in c))
-    tree = dendrogram_from_orders(contexts, _members(contexts, blocks), np.ones(len(blocks)))
+    tree, _ = build_dendrogram(contexts, contexts, {})
     tree._layout()
     snapshot = tree.copy()
     value, order = snapshot.value(), snapshot.preorder().tolist()
