@@ -1,6 +1,7 @@
 """cpmemory: context reuse for long-context LLM agents (ContextPilot-style reorder, schedule, de-duplicate)."""
 from __future__ import annotations
 
+from cpmemory._version import __version__
 from cpmemory.core.blocks import Block, normalize_blocks
 from cpmemory.errors import (
     CpMemoryError,
@@ -12,15 +13,18 @@ from cpmemory.errors import (
     StoreUnavailableError,
     UnknownReservationError,
 )
-from cpmemory.facade import AsyncCpMemory, BatchPlan, CpMemory
+from cpmemory.facade import AsyncCpMemory, CpMemory
 from cpmemory.session.config import CpMemoryConfig
 from cpmemory.session.turns import BlockDecision, PreparedTurn
+from cpmemory.types import BatchPlan, BlockStatus
 
 __all__ = [
+    "__version__",
     "AsyncCpMemory",
     "BatchPlan",
     "Block",
     "BlockDecision",
+    "BlockStatus",
     "CpMemory",
     "CpMemoryConfig",
     "CpMemoryError",
@@ -34,4 +38,3 @@ __all__ = [
     "UnknownReservationError",
     "normalize_blocks",
 ]
-__version__ = "0.1.0"

@@ -27,7 +27,6 @@ import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any, NoReturn
 
 from cpmemory.core.blocks import BlockLike, normalize_blocks
@@ -47,14 +46,9 @@ from cpmemory.session.turns import (
     reserve_request,
     turn_counts,
 )
-from cpmemory.stores.base import (
-    AsyncSessionStore,
-    ConversationKey,
-    ConversationState,
-    SessionStore,
-    TurnRecord,
-)
+from cpmemory.stores.base import AsyncSessionStore, SessionStore
 from cpmemory.stores.memory import AsyncInMemorySessionStore, InMemorySessionStore
+from cpmemory.types import BatchPlan, ConversationKey, ConversationState, TurnRecord
 
 logger = logging.getLogger(__name__)
 
@@ -64,21 +58,6 @@ def is_store_failure(error: BaseException) -> bool:
     if isinstance(error, (StoreUnavailableError, ConnectionError, TimeoutError, OSError)):
         return True
     return any(cls.__module__.split(".")[0] == "redis" for cls in type(error).__mro__)
-
-
-@dataclass(frozen=True, slots=True)
-class BatchPlan:
-    """Offline plan for a batch of requests.
-
-    Attributes:
-        order: execution order (indices into the requests).
-        contexts: each request's block ids, reordered (a permutation of its normalised ids).
-        request_ids: the index leaf of each request ("" for an empty request).
-    """
-
-    order: list[int]
-    contexts: list[list[str]]
-    request_ids: list[str]
 
 
 class _FacadeCore:

@@ -206,7 +206,7 @@ def ask(memory: Any, qa: dict[str, Any], user_id: str, top_k: int, state: dict[s
 
 def replay(args: argparse.Namespace, home: Path) -> dict[str, Any]:
     """Run the replay; print the per-question table; return the totals."""
-    from cpmemory.engines.simulator import PrefixCacheSimulator
+    from cpmemory.bench.simulator import PrefixCacheSimulator
     from cpmemory.facade import CpMemory
     from cpmemory.session.config import CpMemoryConfig
     from integrations.mem0 import CpMemoryMem0

@@ -20,6 +20,7 @@ from typing import Any, Protocol
 
 from cpmemory.core.annotations import build_user_message, format_block
 from cpmemory.core.blocks import Block, content_hash
+from cpmemory.types import FULL_TEXT_STATUSES
 
 STATUS_PASSTHROUGH = "passthrough"
 """Status of a result that did not go through cpmemory (no conversation id); it is sent in full."""
@@ -33,7 +34,7 @@ STATUS_DUPLICATE = "duplicate"
 DERIVED_ID_PREFIX = "hash:"
 """Prefix of the block id derived for a result that has no id of its own."""
 
-FULL_STATUSES = frozenset({"new", "changed", "resent", STATUS_PASSTHROUGH})
+FULL_STATUSES = FULL_TEXT_STATUSES | {STATUS_PASSTHROUGH}
 """Statuses whose block text is sent in full in this turn's prompt."""
 
 

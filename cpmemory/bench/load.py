@@ -124,7 +124,7 @@ def build_proxy(engine: str, replicas: int) -> tuple[Any, RecordingTransport]:
     from cpmemory.server.app import ServerConfig, create_app
 
     if engine == "mock":
-        from cpmemory.engines.mock import MockEngine
+        from cpmemory.testing.mock_engine import MockEngine
 
         engines = {f"mock-{i}": MockEngine(block_size=128, capacity_blocks=1 << 14) for i in range(replicas)}
 

@@ -344,8 +344,8 @@ def _lpm_order(trace: Trace, prompts: Sequence[list[dict[str, str]]], capacity: 
 def run_strategy(name: str, plan: StrategyPlan, trace: Trace, prepared: Sequence[PreparedRequest],
                  settings: ReplaySettings, capacity: int, progress: Progress | None = None) -> StrategyResult:
     """Build the prompts of one strategy, check them, and run them through a fresh simulator."""
+    from cpmemory.bench.simulator import PrefixCacheSimulator
     from cpmemory.core.invariants import check_no_loss
-    from cpmemory.engines.simulator import PrefixCacheSimulator
 
     system_prompt = _system_prompt(settings)
     builder_type = FacadePromptBuilder if name == "cpmemory" else PlainPromptBuilder
@@ -421,9 +421,9 @@ def run_replay(trace: Trace, settings: ReplaySettings = ReplaySettings(),
 def replay_on_engine(report: ReplayReport, url: str, *, model: str = "tiny", transport: Any = None) -> None:
     """Send every strategy's prompts (execution order) to a real engine; keep its TTFT and cached tokens.
 
-    Uses ENGINES' ``cpmemory.engines.replay_real.measure`` (cache reset before each strategy). Mutates ``report``.
+    Uses ENGINES' ``cpmemory.bench.replay_real.measure`` (cache reset before each strategy). Mutates ``report``.
     """
-    from cpmemory.engines.replay_real import measure
+    from cpmemory.bench.replay_real import measure
 
     for result in report.results.values():
         if result.prompts:

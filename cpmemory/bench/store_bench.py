@@ -24,7 +24,7 @@ Phases, per backend:
   workload gives the same figure on every backend (a cross-check of the stores' semantics).
 
 The ``redis`` row uses ``--redis-url`` (a local ``redis-server`` on a spare port is started if it does not answer);
-the ``cluster`` row starts a 3-master cluster with :mod:`cpmemory.bench.local_redis` (skipped with a reason when
+the ``cluster`` row starts a 3-master cluster with :mod:`cpmemory.testing.local_redis` (skipped with a reason when
 ``redis-server`` is missing). Keys live under a prefix unique to the run and are deleted afterwards.
 """
 from __future__ import annotations
@@ -43,7 +43,7 @@ from typing import Any
 import typer
 
 from cpmemory.core.blocks import content_hash, label_for_hash
-from cpmemory.stores.base import ConversationKey, ReserveRequest, SeenBlock, TurnRecord
+from cpmemory.types import ConversationKey, ReserveRequest, SeenBlock, TurnRecord
 
 BACKENDS = ("memory", "redis", "cluster")
 BLOCKS_PER_TURN = 15
@@ -329,7 +329,7 @@ def _redis_target(url: str) -> Iterator[tuple[str, str]]:
     """Yield (url, note): ``url`` if it answers, else a throw-away local redis-server."""
     import redis
 
-    from cpmemory.bench.local_redis import LocalRedisServer, redis_binaries_available
+    from cpmemory.testing.local_redis import LocalRedisServer, redis_binaries_available
 
     try:
         redis.Redis.from_url(url, socket_timeout=1, socket_connect_timeout=1).ping()
@@ -344,7 +344,7 @@ def _redis_target(url: str) -> Iterator[tuple[str, str]]:
 
 def run_backend(name: str, workload: Workload, redis_url: str, facade_conversations: int) -> dict[str, Any]:
     """Run one backend; a backend that cannot run gives a row with ``skipped`` and the reason."""
-    from cpmemory.bench.local_redis import LocalRedisCluster, redis_binaries_available
+    from cpmemory.testing.local_redis import LocalRedisCluster, redis_binaries_available
 
     try:
         if name == "memory":

@@ -29,12 +29,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Protocol
 
 from cpmemory.core import annotations
 from cpmemory.core.blocks import LABEL_HEX_DIGITS, Block, label_for_hash
-
-Status = Literal["new", "referenced", "changed", "partial", "resent"]
+from cpmemory.types import FULL_TEXT_STATUSES
+from cpmemory.types import BlockStatus as Status
 
 DEFAULT_PARTIAL_THRESHOLD = 0.5
 MIN_SEGMENT_CHARS = 24
@@ -92,7 +92,7 @@ class DedupDecision:
     @property
     def in_full(self) -> bool:
         """True when the block's full text is written in this prompt under its header."""
-        return self.status in ("new", "changed", "resent")
+        return self.status in FULL_TEXT_STATUSES
 
 
 _NEW = DedupDecision("new")

@@ -42,7 +42,6 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Hashable, Mapping, Sequence
-from dataclasses import dataclass
 from itertools import pairwise
 
 from cpmemory.core.planner_search import improve_orders
@@ -55,22 +54,9 @@ from cpmemory.core.planner_tree import (
     remaining_blocks,
 )
 from cpmemory.errors import InvalidInputError
+from cpmemory.types import BatchPlan
 
 Context = Sequence[Hashable]
-
-
-@dataclass(frozen=True, slots=True)
-class BatchPlan:
-    """An execution plan for a batch of requests.
-
-    Attributes:
-        order: execution order, as indices into the input ``contexts``.
-        contexts: each input context's blocks in their planned prompt order (``contexts[i]`` is a permutation of
-            input ``i``), indexed like the input, not like ``order``.
-    """
-
-    order: list[int]
-    contexts: list[list]
 
 
 def trie_savings(

@@ -2,7 +2,7 @@
 
 The request building and response parsing are sans-IO functions shared by :class:`EngineClient` and
 :class:`AsyncEngineClient`; the two classes only move bytes. Tests swap the network for an in-process engine
-through httpx's transport seam (see :mod:`cpmemory.engines.mock`).
+through httpx's transport seam (see :mod:`cpmemory.testing.mock_engine`).
 
 Every chat request carries its request id twice: ``X-Request-Id`` (vLLM names the completion after it) and the
 body field ``request_id`` (vLLM's and SGLang's extension field). ``cache_salt`` isolates a tenant's prefix cache

@@ -23,6 +23,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from cpmemory._version import __version__
 from cpmemory.errors import (
     EngineError,
     EngineStatusError,
@@ -163,7 +164,7 @@ def create_app(
             if owns_memory:
                 await _close_store(service.memory)
 
-    app = FastAPI(title="cpmemory proxy", version="0.1.0", lifespan=lifespan)
+    app = FastAPI(title="cpmemory proxy", version=__version__, lifespan=lifespan)
     app.state.service = service
     _install_error_handlers(app)
     _install_routes(app, service, _TenantResolver(config.api_keys))

@@ -8,9 +8,9 @@ from __future__ import annotations
 from typing import Any
 
 from cpmemory.errors import MissingDependencyError
+from cpmemory.types import BLOCK_STATUSES
 
 OVERHEAD_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
-BLOCK_STATUSES = ("new", "referenced", "changed", "partial", "resent")
 
 
 class ProxyMetrics:

@@ -10,7 +10,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, field_validator
 
-MAX_IDENTIFIER_CHARS = 1024
+from cpmemory.types import MAX_IDENTIFIER_CHARS
+
 MAX_BLOCKS = 2000
 MAX_TEXT_CHARS = 4_000_000
 

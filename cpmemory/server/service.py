@@ -27,12 +27,16 @@ from cpmemory.routing.router import RouteDecision, conversation_affinity_key
 from cpmemory.server.metrics import ProxyMetrics
 from cpmemory.server.schemas import ChatCompletionRequest, ChatMessage
 from cpmemory.server.sse import SseCollector
+from cpmemory.session.config import CpMemoryConfig
+from cpmemory.session.turns import turn_counts
 
 logger = logging.getLogger(__name__)
 
 
 class TurnMemory(Protocol):
     """What the proxy needs from ``cpmemory.facade.AsyncCpMemory``."""
+
+    config: CpMemoryConfig
 
     async def prepare(self, conversation_id: str, query: str, blocks: Sequence[Block], **options: Any) -> Any: ...
 
@@ -246,7 +250,7 @@ class ProxyService:
         """The ``cpmemory`` field of a response; also records the turn's metrics."""
         prompt_tokens, cached_tokens = usage_tokens({"usage": usage})
         decisions = [decision_dict(item) for item in getattr(prepared, "decisions", ())]
-        deduplicated = deduplicated_tokens(turn.blocks, decisions)
+        deduplicated = turn_counts(prepared, self.memory.config.chars_per_token)["dedup_tokens_saved"]
         self.metrics.tokens_deduplicated.inc(deduplicated)
         self.metrics.observe_blocks([item["status"] for item in decisions])
         self.metrics.overhead.observe(max(0.0, overhead_s))
@@ -291,16 +295,6 @@ def decision_dict(item: Any) -> dict[str, Any]:
         "prompt_position": None if item.prompt_position is None else int(item.prompt_position),
         "saved_chars": int(getattr(item, "saved_chars", 0)),
     }
-
-
-def deduplicated_tokens(blocks: Sequence[Block], decisions: Sequence[Mapping[str, Any]]) -> int:
-    """Tokens not sent because of de-duplication: referenced blocks (cpmemory's deterministic tokenizer) plus the
-    saved part of partial blocks (4 characters per token)."""
-    from cpmemory.bench.tokenizer import count_tokens
-
-    referenced = {item["block_id"] for item in decisions if item["status"] == "referenced"}
-    partial_chars = sum(item.get("saved_chars", 0) for item in decisions if item["status"] == "partial")
-    return sum(count_tokens(block.text) for block in blocks if block.id in referenced) + partial_chars // 4
 
 
 def prefix_key(tenant: str, request: ChatCompletionRequest) -> str:

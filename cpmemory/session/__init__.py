@@ -2,6 +2,6 @@
 
 Modules: ``config`` (CpMemoryConfig), ``turns`` (pure prepare/commit steps, PreparedTurn, BlockDecision),
 ``index`` (per-tenant bounded context indexes), ``segments`` (cached segment index for partial overlap),
-``batch`` (offline planning), ``counters`` (facade counters), ``selfcheck`` (seeded workload: overhead, savings,
-no-loss).
+``batch`` (offline planning), ``counters`` (facade counters). The seeded self-check workload is
+``cpmemory.bench.selfcheck``.
 """

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from cpmemory.core.blocks import Block, label_for_hash
 from cpmemory.core.dedup import DedupDecision, SegmentIndex, label_candidates, label_holds_only
-from cpmemory.stores.base import Message, SeenBlock
+from cpmemory.types import Message, SeenBlock
 
 
 @dataclass(frozen=True, slots=True)

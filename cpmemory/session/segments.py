@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from cpmemory.core.dedup import SegmentIndex
-from cpmemory.stores.base import ConversationKey, Message
+from cpmemory.types import ConversationKey, Message
 
 
 @dataclass(slots=True)

@@ -27,7 +27,15 @@ from cpmemory.errors import InvalidBlockError, InvalidInputError
 from cpmemory.session.config import CpMemoryConfig
 from cpmemory.session.index import TenantIndexes
 from cpmemory.session.labels import LabelContext, assign_labels
-from cpmemory.stores.base import ConversationKey, Message, Reservation, ReserveRequest, SeenBlock, TurnRecord
+from cpmemory.types import (
+    FULL_TEXT_STATUSES,
+    ConversationKey,
+    Message,
+    Reservation,
+    ReserveRequest,
+    SeenBlock,
+    TurnRecord,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -444,7 +452,7 @@ def commit_record(turn: PreparedTurn, answer: str) -> TurnRecord:
     shown = tuple(
         SeenBlock(d.block_id, d.content_hash, d.label, turn.turn)
         for d in turn.decisions
-        if d.status in ("new", "changed", "resent")
+        if d.status in FULL_TEXT_STATUSES
     )
     messages = ({"role": "user", "content": user}, {"role": "assistant", "content": answer})
     return TurnRecord(messages=messages, shown=shown, search_path=turn.search_path)

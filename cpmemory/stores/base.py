@@ -1,4 +1,4 @@
-"""The SessionStore seam: per-conversation state behind a two-phase turn.
+"""The SessionStore seam: per-conversation state behind a two-phase turn (its value types: ``cpmemory.types``).
 
 State of one conversation (tenant + conversation id):
   * ``turns``        number of committed turns;
@@ -22,94 +22,31 @@ Contract (every implementation passes tests/stores/test_contract.py):
 """
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
-from cpmemory.errors import InvalidIdentifierError
+from cpmemory.types import (
+    MAX_IDENTIFIER_CHARS,
+    ConversationKey,
+    ConversationState,
+    Message,
+    Reservation,
+    ReserveRequest,
+    SeenBlock,
+    TurnRecord,
+)
 
-MAX_IDENTIFIER_CHARS = 1024
-
-Message = Mapping[str, str]  # {"role": ..., "content": ...}
-
-
-def _check_identifier(kind: str, value: object) -> str:
-    if not isinstance(value, str):
-        raise InvalidIdentifierError(f"{kind} must be a string, got {type(value).__name__}")
-    if not value:
-        raise InvalidIdentifierError(f"{kind} must not be empty")
-    if len(value) > MAX_IDENTIFIER_CHARS:
-        raise InvalidIdentifierError(f"{kind} is longer than {MAX_IDENTIFIER_CHARS} characters")
-    return value
-
-
-@dataclass(frozen=True, slots=True)
-class ConversationKey:
-    """Names one conversation of one tenant. Any non-empty string up to 1,024 characters is allowed for both;
-    stores map them to safe keys themselves."""
-
-    tenant: str
-    conversation: str
-
-    def __post_init__(self) -> None:
-        _check_identifier("tenant", self.tenant)
-        _check_identifier("conversation id", self.conversation)
-
-
-@dataclass(frozen=True, slots=True)
-class SeenBlock:
-    """A block whose full text was shown in committed turn ``turn`` under ``label``."""
-
-    block_id: str
-    content_hash: str
-    label: str
-    turn: int
-
-
-@dataclass(frozen=True, slots=True)
-class ReserveRequest:
-    """What ``reserve`` needs: the request's blocks as (block_id, content_hash) pairs, in request order."""
-
-    blocks: tuple[tuple[str, str], ...]
-    reservation_timeout_s: float = 120.0
-    include_transcript: bool = True
-
-
-@dataclass(frozen=True, slots=True)
-class Reservation:
-    """What ``reserve`` returns: the committed state relevant to this request, and the reservation id.
-
-    ``seen`` and ``previous_hash_for_id`` are restricted to the hashes / ids of the request.
-    ``transcript`` is None when not requested.
-    """
-
-    reservation_id: str
-    turn: int
-    seen: Mapping[str, SeenBlock]
-    previous_hash_for_id: Mapping[str, str]
-    transcript: tuple[Message, ...] | None = None
-    last_search_path: tuple[int, ...] = ()
-
-
-@dataclass(frozen=True, slots=True)
-class TurnRecord:
-    """What ``commit`` makes durable."""
-
-    messages: tuple[Message, ...]
-    shown: tuple[SeenBlock, ...]
-    search_path: tuple[int, ...] = ()
-
-
-@dataclass(frozen=True, slots=True)
-class ConversationState:
-    """A full read of one conversation (for inspection, tests and tools; not on the hot path)."""
-
-    turns: int = 0
-    seen: Mapping[str, SeenBlock] = field(default_factory=dict)
-    ids: Mapping[str, str] = field(default_factory=dict)
-    transcript: tuple[Message, ...] = ()
-    search_paths: tuple[tuple[int, ...], ...] = ()
-    open_reservations: int = 0
+__all__ = [
+    "MAX_IDENTIFIER_CHARS",
+    "AsyncSessionStore",
+    "ConversationKey",
+    "ConversationState",
+    "Message",
+    "Reservation",
+    "ReserveRequest",
+    "SeenBlock",
+    "SessionStore",
+    "TurnRecord",
+]
 
 
 @runtime_checkable

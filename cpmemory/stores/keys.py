@@ -25,7 +25,7 @@ import re
 from dataclasses import dataclass
 
 from cpmemory.errors import InvalidIdentifierError
-from cpmemory.stores.base import ConversationKey
+from cpmemory.types import ConversationKey
 
 DEFAULT_PREFIX = "cpm"
 FIELDS: tuple[str, ...] = ("state", "log", "paths", "res", "done")

@@ -121,7 +121,7 @@ def test_sectioned_tokenization_equals_the_tokenizer(parts):
 
 def test_engine_replay_reports_real_figures_beside_the_simulated_ones():
     from cpmemory.bench.replay import replay_on_engine
-    from cpmemory.engines.mock import MockEngine
+    from cpmemory.testing.mock_engine import MockEngine
 
     trace = load_synthetic(requests=30, blocks_per_request=4, corpus_size=20, seed=5)
     report = run_replay(trace, ReplaySettings(capacity="200%", strategies=("original", "cpmemory"),

@@ -16,7 +16,7 @@ from cpmemory.engines.client import (
     parse_metrics,
     parse_tokenize,
 )
-from cpmemory.engines.mock import MockEngine, mock_tokenize, render_chatml
+from cpmemory.testing.mock_engine import MockEngine, mock_tokenize, render_chatml
 from cpmemory.errors import EngineError
 
 LONG = "The quick brown fox jumps over the lazy dog. " * 8

@@ -16,7 +16,7 @@ from cpmemory.engines.kv_events import (
     FrameProcessor,
     encode_frames,
 )
-from cpmemory.engines.mock import MockEngine
+from cpmemory.testing.mock_engine import MockEngine
 
 DOCUMENTS = [{"id": f"doc-{n}", "text": f"Document {n}: " + f"fact {n}. " * 3} for n in range(8)]
 

@@ -18,7 +18,7 @@ from cpmemory import CpMemory
 from cpmemory.engines.client import EngineClient, EngineSettings
 from cpmemory.engines.eviction_sync import EvictionSync
 from cpmemory.engines.kv_events import BlockStored, EventBatch, KVEventSubscriber
-from cpmemory.engines.replay_real import measure
+from cpmemory.bench.replay_real import measure
 
 pytestmark = pytest.mark.vllm
 

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from cpmemory.core.planner import plan_batch, trie_savings
 from cpmemory.core.planner_tree import first_seen_ranks
-from cpmemory.engines.simulator import PrefixCacheSimulator
+from cpmemory.bench.simulator import PrefixCacheSimulator
 from cpmemory.errors import InvalidInputError
 
 contexts_strategy = st.lists(

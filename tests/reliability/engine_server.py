@@ -1,5 +1,5 @@
 """A mock engine replica as a real process: ``python engine_server.py PORT [KV_PORT [CAPACITY_BLOCKS]]`` serves
-cpmemory.engines.mock on loopback; with KV_PORT it publishes its KV events on tcp://127.0.0.1:KV_PORT (ZMQ PUB, the
+cpmemory.testing.mock_engine on loopback; with KV_PORT it publishes its KV events on tcp://127.0.0.1:KV_PORT (ZMQ PUB, the
 frames vLLM sends).
 
 Extra endpoint for tests: ``GET /_mock/requests`` -> [{"request_id", "messages", "cache_salt"}] of every chat request.
@@ -15,7 +15,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from cpmemory.engines.mock import MockEngine
+from cpmemory.testing.mock_engine import MockEngine
 
 
 def build(engine: MockEngine) -> Starlette:

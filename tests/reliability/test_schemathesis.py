@@ -6,7 +6,7 @@ import httpx
 import schemathesis
 from hypothesis import HealthCheck, settings
 
-from cpmemory.engines.mock import MockEngine
+from cpmemory.testing.mock_engine import MockEngine
 from cpmemory.routing.transport import HttpxChatTransport
 from cpmemory.server.app import ServerConfig, create_app
 

@@ -10,7 +10,7 @@ import time
 import httpx
 import psutil
 
-from cpmemory.engines.mock import MockEngine
+from cpmemory.testing.mock_engine import MockEngine
 from cpmemory.facade import AsyncCpMemory
 from cpmemory.routing.transport import HttpxChatTransport
 from cpmemory.server.app import ServerConfig, create_app

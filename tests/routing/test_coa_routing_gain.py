@@ -9,7 +9,7 @@ import asyncio
 
 import httpx
 
-from cpmemory.engines.mock import MockEngine
+from cpmemory.testing.mock_engine import MockEngine
 from cpmemory.routing.chain_of_agents import ChainOfAgents, ChainOfAgentsConfig
 from cpmemory.routing.dispatch import Dispatcher
 from cpmemory.routing.router import Router

@@ -1,4 +1,4 @@
-"""Fixtures: the proxy app in front of in-process mock engines (cpmemory.engines.mock), over httpx's ASGI seam."""
+"""Fixtures: the proxy app in front of in-process mock engines (cpmemory.testing.mock_engine), over httpx's ASGI seam."""
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
@@ -7,7 +7,7 @@ from typing import Any
 import httpx
 import pytest
 
-from cpmemory.engines.mock import MockEngine
+from cpmemory.testing.mock_engine import MockEngine
 from cpmemory.routing.transport import HttpxChatTransport
 from cpmemory.server.app import ServerConfig, create_app
 

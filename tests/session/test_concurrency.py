@@ -7,7 +7,7 @@ import threading
 
 from cpmemory import AsyncCpMemory, CpMemory
 from cpmemory.core.invariants import check_no_loss
-from cpmemory.stores.base import ConversationKey
+from cpmemory.types import ConversationKey
 
 DOCS = [f"Passage {i}: the archive lists {i * 3} letters written during year {1900 + i}." for i in range(60)]
 

@@ -15,7 +15,7 @@ from cpmemory.errors import (
     StoreUnavailableError,
     UnknownReservationError,
 )
-from cpmemory.stores.base import ConversationKey
+from cpmemory.types import ConversationKey
 from cpmemory.stores.memory import InMemorySessionStore
 
 DOCS = {

@@ -38,7 +38,7 @@ def given_history(mem: CpMemory, mode: str) -> list[dict[str, str]] | None:
 
 
 def _key():
-    from cpmemory.stores.base import ConversationKey
+    from cpmemory.types import ConversationKey
 
     return ConversationKey("default", "conv")
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from cpmemory.core.annotations import build_user_message, format_block
 from cpmemory.core.blocks import Block
 from cpmemory.session.segments import SegmentCache
-from cpmemory.stores.base import ConversationKey
+from cpmemory.types import ConversationKey
 
 KEY = ConversationKey("t", "c")
 SENTENCE_A = "Alpha sentence that is certainly long enough."

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from cpmemory.bench.local_redis import LocalRedisCluster, redis_binaries_available
+from cpmemory.testing.local_redis import LocalRedisCluster, redis_binaries_available
 from cpmemory.errors import StoreUnavailableError
 from cpmemory.stores.redis_store import AsyncRedisSessionStore, RedisSessionStore, RedisStoreConfig
 

@@ -15,7 +15,7 @@ import pytest
 
 from cpmemory.core.blocks import content_hash, label_for_hash
 from cpmemory.errors import InvalidIdentifierError, ReservationExpiredError, UnknownReservationError
-from cpmemory.stores.base import ConversationKey, ReserveRequest, SeenBlock, TurnRecord
+from cpmemory.types import ConversationKey, ReserveRequest, SeenBlock, TurnRecord
 
 HOSTILE_IDS = [
     "{tag}",

@@ -12,7 +12,7 @@ import logging
 
 import pytest
 
-from cpmemory.bench.local_redis import LocalRedisServer, redis_binaries_available
+from cpmemory.testing.local_redis import LocalRedisServer, redis_binaries_available
 from cpmemory.core.invariants import check_no_loss
 from cpmemory.errors import StoreUnavailableError
 from cpmemory.facade import AsyncCpMemory, CpMemory

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from cpmemory.engines.mock import MockEngine, mock_tokenize, render_chatml
-from cpmemory.engines.replay_real import measure, replay_real, summarize
+from cpmemory.testing.mock_engine import MockEngine, mock_tokenize, render_chatml
+from cpmemory.bench.replay_real import measure, replay_real, summarize
 from cpmemory.errors import EngineError
 
 SHARED = "shared context " * 20

@@ -8,7 +8,7 @@ every strategy starts cold and the figures of one run compare.
 
 Example::
 
-    from cpmemory.engines.replay_real import measure
+    from cpmemory.bench.replay_real import measure
     figures = measure([[{"role": "user", "content": "..."}], ...], "http://127.0.0.1:8000")
     figures["ttft_mean_ms"], figures["cached_tokens"]
 """

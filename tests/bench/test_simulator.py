@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cpmemory.engines.simulator import PrefixCacheSimulator
+from cpmemory.bench.simulator import PrefixCacheSimulator
 from cpmemory.errors import InvalidInputError
 
 

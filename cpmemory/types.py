@@ -1,0 +1,122 @@
+"""Value types shared by every layer (below ``core``, ``stores`` and ``session``; imports only ``errors``).
+
+* ``BlockStatus`` / ``BLOCK_STATUSES``: what happened to a block in a turn (the one spelling of the statuses).
+* ``BatchPlan``: an offline plan for a batch of requests (the planner's and the facade's result).
+* The session store's values: ``ConversationKey``, ``SeenBlock``, ``ReserveRequest``, ``Reservation``,
+  ``TurnRecord``, ``ConversationState`` and ``Message`` (the protocol itself is ``cpmemory.stores.base``).
+"""
+from __future__ import annotations
+
+from collections.abc import Hashable, Mapping
+from dataclasses import dataclass, field
+from typing import Literal, get_args
+
+from cpmemory.errors import InvalidIdentifierError
+
+BlockStatus = Literal["new", "referenced", "changed", "partial", "resent"]
+"""What de-duplication did with one block (see ``cpmemory.core.dedup`` for the rules)."""
+
+BLOCK_STATUSES: tuple[BlockStatus, ...] = get_args(BlockStatus)
+"""Every ``BlockStatus``, in rule order."""
+
+FULL_TEXT_STATUSES: frozenset[str] = frozenset({"new", "changed", "resent"})
+"""Statuses whose block is written in full under its header."""
+
+MAX_IDENTIFIER_CHARS = 1024
+
+Message = Mapping[str, str]  # {"role": ..., "content": ...}
+
+
+@dataclass(frozen=True, slots=True)
+class BatchPlan:
+    """An execution plan for a batch of requests.
+
+    Attributes:
+        order: execution order, as indices into the input requests.
+        contexts: each request's blocks (block ids for the facade, any hashable for ``core.planner``) in their
+            planned prompt order; ``contexts[i]`` is a permutation of input ``i``, indexed like the input.
+        request_ids: the index leaf of each request ("" for an empty request); empty when nothing was indexed.
+    """
+
+    order: list[int]
+    contexts: list[list[Hashable]]
+    request_ids: list[str] = field(default_factory=list)
+
+
+def _check_identifier(kind: str, value: object) -> str:
+    if not isinstance(value, str):
+        raise InvalidIdentifierError(f"{kind} must be a string, got {type(value).__name__}")
+    if not value:
+        raise InvalidIdentifierError(f"{kind} must not be empty")
+    if len(value) > MAX_IDENTIFIER_CHARS:
+        raise InvalidIdentifierError(f"{kind} is longer than {MAX_IDENTIFIER_CHARS} characters")
+    return value
+
+
+@dataclass(frozen=True, slots=True)
+class ConversationKey:
+    """Names one conversation of one tenant. Any non-empty string up to 1,024 characters is allowed for both;
+    stores map them to safe keys themselves."""
+
+    tenant: str
+    conversation: str
+
+    def __post_init__(self) -> None:
+        _check_identifier("tenant", self.tenant)
+        _check_identifier("conversation id", self.conversation)
+
+
+@dataclass(frozen=True, slots=True)
+class SeenBlock:
+    """A block whose full text was shown in committed turn ``turn`` under ``label``."""
+
+    block_id: str
+    content_hash: str
+    label: str
+    turn: int
+
+
+@dataclass(frozen=True, slots=True)
+class ReserveRequest:
+    """What ``reserve`` needs: the request's blocks as (block_id, content_hash) pairs, in request order."""
+
+    blocks: tuple[tuple[str, str], ...]
+    reservation_timeout_s: float = 120.0
+    include_transcript: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class Reservation:
+    """What ``reserve`` returns: the committed state relevant to this request, and the reservation id.
+
+    ``seen`` and ``previous_hash_for_id`` are restricted to the hashes / ids of the request.
+    ``transcript`` is None when not requested.
+    """
+
+    reservation_id: str
+    turn: int
+    seen: Mapping[str, SeenBlock]
+    previous_hash_for_id: Mapping[str, str]
+    transcript: tuple[Message, ...] | None = None
+    last_search_path: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class TurnRecord:
+    """What ``commit`` makes durable."""
+
+    messages: tuple[Message, ...]
+    shown: tuple[SeenBlock, ...]
+    search_path: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class ConversationState:
+    """A full read of one conversation (for inspection, tests and tools; not on the hot path)."""
+
+    turns: int = 0
+    seen: Mapping[str, SeenBlock] = field(default_factory=dict)
+    ids: Mapping[str, str] = field(default_factory=dict)
+    transcript: tuple[Message, ...] = ()
+    search_paths: tuple[tuple[int, ...], ...] = ()
+    open_reservations: int = 0
