@@ -4,6 +4,9 @@ The dispatcher joins the ``Router`` (where to go) and a ``ChatTransport`` (how t
 flight, marks a replica down on ``EngineUnreachableError`` and tries the key's next replica, at most once per
 replica. An ``EngineStatusError`` (the engine answered, with an error) is not retried: the request itself is at fault.
 Streaming calls fail over only before the first byte; once bytes flow, an error reaches the caller.
+
+A ``RouteHint`` (the prompt's blocks, whether the key is sticky) lets the router score replicas by their cached
+prefix; the replica that accepted the call is recorded for the key (affinity) and in the router's prefix view.
 """
 from __future__ import annotations
 
@@ -14,10 +17,29 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from cpmemory.errors import EngineUnreachableError, NoHealthyReplicaError
+from cpmemory.routing.prefix import PromptBlocks
 from cpmemory.routing.router import RouteDecision, Router
 from cpmemory.routing.transport import ChatTransport, EngineStream
 
 _T = TypeVar("_T")
+
+
+@dataclass(frozen=True, slots=True)
+class RouteHint:
+    """What the router may use beyond the key.
+
+    Attributes:
+        prompt: the prompt's blocks (prefix scoring).
+        sticky: the key's earlier calls carry this call's context: go back to the key's replica.
+        remember: record the key's replica for its later sticky calls (a conversation, a job; not a prefix key).
+    """
+
+    prompt: PromptBlocks | None = None
+    sticky: bool = False
+    remember: bool = True
+
+
+NO_HINT = RouteHint()
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,15 +89,25 @@ class Dispatcher:
         *,
         timeout_s: float = 120.0,
         on_failover: Callable[[RouteDecision], None] | None = None,
+        on_decision: Callable[[RouteDecision], None] | None = None,
+        failover: bool = True,
     ) -> None:
-        """Wire a router to a transport; ``on_failover`` is called with each replica marked down. No IO."""
+        """Wire a router to a transport; no IO.
+
+        ``on_failover`` is called with each replica marked down, ``on_decision`` with each replica that accepted a
+        call (metrics). ``failover=False`` (one gateway in front of the replicas): an unreachable engine is never
+        marked down nor retried here; its ``EngineUnreachableError`` reaches the caller.
+        """
+        self.failover = failover
         self.router = router
         self.transport = transport
         self.timeout_s = timeout_s
         self._on_failover = on_failover
+        self._on_decision = on_decision
 
     async def complete(
-        self, key: str, payload: Mapping[str, Any], headers: Mapping[str, str] | None = None
+        self, key: str, payload: Mapping[str, Any], headers: Mapping[str, str] | None = None,
+        hint: RouteHint = NO_HINT,
     ) -> DispatchResult:
         """Send a non-streaming chat completion for ``key``; fail over on unreachable replicas.
 
@@ -87,11 +119,12 @@ class Dispatcher:
         async def send(url: str) -> dict[str, Any]:
             return await self.transport.complete(url, payload, headers or {}, self.timeout_s)
 
-        response, decision, failovers, waited = await self._with_failover(key, send, keep_in_flight=False)
+        response, decision, failovers, waited = await self._with_failover(key, send, hint, keep_in_flight=False)
         return DispatchResult(response, decision, failovers, waited)
 
     async def open_stream(
-        self, key: str, payload: Mapping[str, Any], headers: Mapping[str, str] | None = None
+        self, key: str, payload: Mapping[str, Any], headers: Mapping[str, str] | None = None,
+        hint: RouteHint = NO_HINT,
     ) -> StreamDispatch:
         """Open a streaming chat completion for ``key``; fail over until a replica accepts it.
 
@@ -101,11 +134,11 @@ class Dispatcher:
         async def send(url: str) -> EngineStream:
             return await self.transport.open_stream(url, payload, headers or {}, self.timeout_s)
 
-        stream, decision, failovers, waited = await self._with_failover(key, send, keep_in_flight=True)
+        stream, decision, failovers, waited = await self._with_failover(key, send, hint, keep_in_flight=True)
         return StreamDispatch(stream, decision, failovers, waited, self.router)
 
     async def _with_failover(
-        self, key: str, send: Callable[[str], Awaitable[_T]], *, keep_in_flight: bool
+        self, key: str, send: Callable[[str], Awaitable[_T]], hint: RouteHint, *, keep_in_flight: bool
     ) -> tuple[_T, RouteDecision, int, float]:
         """Run ``send`` on the key's replica, then on the next ones while they are unreachable.
 
@@ -115,13 +148,15 @@ class Dispatcher:
         tried: list[str] = []
         waited = 0.0
         while True:
-            decision = self._choose(key, tried)
+            decision = self._choose(key, tried, hint)
             self.router.begin(decision.url)
             started = time.perf_counter()
             try:
                 result = await send(decision.url)
             except EngineUnreachableError:
                 self.router.end(decision.url)
+                if not self.failover:
+                    raise
                 self._fail(decision, tried)
                 continue
             except BaseException:
@@ -131,11 +166,14 @@ class Dispatcher:
                 waited += time.perf_counter() - started
             if not keep_in_flight:
                 self.router.end(decision.url)
+            self.router.record(key, decision, hint.prompt, sticky=hint.remember)
+            if self._on_decision is not None:
+                self._on_decision(decision)
             return result, decision, len(tried), waited
 
-    def _choose(self, key: str, tried: list[str]) -> RouteDecision:
+    def _choose(self, key: str, tried: list[str], hint: RouteHint) -> RouteDecision:
         try:
-            return self.router.choose(key, exclude=tried)
+            return self.router.choose(key, exclude=tried, prompt=hint.prompt, sticky=hint.sticky)
         except NoHealthyReplicaError as error:
             if tried:
                 raise NoHealthyReplicaError(f"every replica failed for this call ({len(tried)} tried)") from error

@@ -14,13 +14,23 @@ when the preferred replica has more than ``balance_abs_threshold`` requests abov
 ``balance_rel_threshold`` times its load, the call goes to the least loaded replica instead (cache affinity is given up
 only when the imbalance would cost more than the cache saves).
 
+Prefix-aware routing (``policy="prefix"``, the default, when the caller passes the prompt's blocks and the router has
+a :class:`~cpmemory.routing.prefix.PrefixView`): a request that carries no conversation history goes to the replica
+with the best score (cached share of the prompt, in-flight requests, KV utilisation; see ``routing.prefix``) among
+those within a bounded load (at most ``load_factor`` times the mean in flight, plus one), ties broken by rendezvous
+rank. A *sticky* request (a conversation's later turn, a Chain-of-Agents job) goes back to the replica its key went
+to last (a bounded LRU map), unless that replica is down or overloaded; a key the map does not know (another
+worker's, or after a restart) is routed by prefix, which finds where its history is cached.
+
 A replica is marked down on a connection error or timeout (``mark_down``) and brought back by ``probe``, which calls
-a health check on every down replica. Every method is O(R log R) for R replicas; nothing here does IO itself.
+a health check on every down replica. Every method is O(R log R) for R replicas (plus O(blocks) for the prefix
+match); nothing here does IO itself.
 """
 from __future__ import annotations
 
 import hashlib
 import time
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -28,8 +38,10 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from cpmemory.errors import InvalidInputError, NoHealthyReplicaError
+from cpmemory.routing.prefix import PrefixView, PromptBlocks, Weights, replica_score
 
-RouteReason = Literal["affinity", "load", "failover"]
+RouteReason = Literal["affinity", "prefix", "cold", "load", "failover"]
+ROUTE_REASONS: tuple[RouteReason, ...] = ("affinity", "prefix", "cold", "load", "failover")
 
 
 class RouterConfig(BaseModel):
@@ -40,6 +52,13 @@ class RouterConfig(BaseModel):
     balance_abs_threshold: int = Field(default=32, ge=0, description="in-flight gap that allows a load fallback")
     balance_rel_threshold: float = Field(default=1.5, ge=1.0, description="load ratio that allows a load fallback")
     probe_interval_s: float = Field(default=2.0, gt=0, description="how often down replicas are probed")
+    policy: Literal["prefix", "affinity"] = Field(
+        default="prefix", description="prefix: score by cached prefix and load; affinity: rendezvous of the key only")
+    prefix_weight: float = Field(default=2.0, ge=0, description="weight of the cached share of the prompt")
+    queue_weight: float = Field(default=1.0, ge=0, description="weight of in-flight requests (over the busiest)")
+    kv_weight: float = Field(default=1.0, ge=0, description="weight of the replica's KV-cache utilisation")
+    load_factor: float = Field(default=1.25, ge=1.0, description="bounded load: in flight <= factor * mean + 1")
+    sticky_keys: int = Field(default=100_000, ge=1, description="conversations / jobs remembered for affinity")
 
 
 def _length_prefixed(*parts: str) -> str:
@@ -101,13 +120,17 @@ class RouteDecision:
     Attributes:
         url: the chosen replica's base URL.
         index: its position in the router's replica list.
-        reason: ``affinity`` (the key's first choice), ``failover`` (the first choice is down or was excluded),
-            ``load`` (the affinity choice was overloaded; the least loaded replica was taken).
+        reason: ``affinity`` (the key's replica), ``prefix`` (the longest cached prefix, within the load bound),
+            ``cold`` (no replica holds any of the prompt: load and rendezvous rank decided), ``load`` (the
+            affinity or longest-prefix replica was overloaded: a less loaded one was taken), ``failover`` (the
+            first choice is down or was excluded).
+        cached_blocks: leading prompt blocks the view says the chosen replica holds (0 without a prompt).
     """
 
     url: str
     index: int
     reason: RouteReason
+    cached_blocks: int = 0
 
 
 class Router:
@@ -118,8 +141,11 @@ class Router:
         urls: Iterable[str],
         config: RouterConfig | None = None,
         clock: Callable[[], float] = time.monotonic,
+        view: PrefixView | None = None,
     ) -> None:
         """Create a router over ``urls`` (base URLs, e.g. ``http://127.0.0.1:8000``); no IO.
+
+        ``view`` is what the router knows of the replicas' caches (None: prefix routing is off; keys decide).
 
         Raises:
             InvalidInputError: no URL, or a repeated URL.
@@ -133,6 +159,10 @@ class Router:
         self._clock = clock
         self._replicas = [_ReplicaState(url) for url in cleaned]
         self._by_url = {state.url: position for position, state in enumerate(self._replicas)}
+        self.view = view
+        self._sticky: OrderedDict[str, int] = OrderedDict()
+        cfg = self.config
+        self._weights = Weights(cfg.prefix_weight, cfg.queue_weight, cfg.kv_weight)
 
     @property
     def urls(self) -> tuple[str, ...]:
@@ -150,8 +180,15 @@ class Router:
         """All replica URLs ordered by rendezvous weight for ``key`` (healthy or not). Pure, O(R log R)."""
         return sorted(self.urls, key=lambda url: _weight(key, url), reverse=True)
 
-    def choose(self, key: str, exclude: Iterable[str] = ()) -> RouteDecision:
+    def choose(self, key: str, exclude: Iterable[str] = (), *, prompt: PromptBlocks | None = None,
+               sticky: bool = False) -> RouteDecision:
         """Pick the replica for ``key``, skipping down replicas and ``exclude``. Does not change state.
+
+        Args:
+            key: the affinity key (conversation, job, prefix); ranks replicas by rendezvous weight.
+            exclude: replicas already tried for this call.
+            prompt: the prompt's blocks; with a view and ``policy="prefix"`` the cached prefix is scored.
+            sticky: the key's earlier calls carry context (a conversation's later turn, a job): keep its replica.
 
         Raises:
             NoHealthyReplicaError: every replica is down or excluded.
@@ -162,12 +199,63 @@ class Router:
         usable = [state for state in usable if state.healthy]
         if not usable:
             raise NoHealthyReplicaError(f"no healthy engine replica among {len(ranked)} (excluded {len(excluded)})")
-        preferred = usable[0]
         least = min(usable, key=lambda state: state.in_flight)  # min keeps the first (best ranked) on ties
+        if prompt is None or self.view is None or self.config.policy == "affinity":
+            return self._choose_by_key(usable, least, ranked[0])
+        remembered = self._sticky.get(key) if sticky else None
+        lost = False  # the key's replica is down or excluded: whatever is chosen is a failover
+        if remembered is not None:
+            state = self._replicas[remembered]
+            lost = state not in usable
+            if not lost and not self._overloaded(state.in_flight, least.in_flight):
+                return RouteDecision(state.url, remembered, "affinity", self.view.matched_blocks(remembered, prompt))
+        return self._choose_by_prefix(usable, prompt, failover=bool(excluded) or lost)
+
+    def _choose_by_key(self, usable: list[_ReplicaState], least: _ReplicaState, first: str) -> RouteDecision:
+        preferred = usable[0]
         if self._overloaded(preferred.in_flight, least.in_flight):
             return RouteDecision(least.url, self._by_url[least.url], "load")
-        reason: RouteReason = "affinity" if preferred.url == ranked[0] else "failover"
+        reason: RouteReason = "affinity" if preferred.url == first else "failover"
         return RouteDecision(preferred.url, self._by_url[preferred.url], reason)
+
+    def _choose_by_prefix(self, usable: list[_ReplicaState], prompt: PromptBlocks, *, failover: bool
+                          ) -> RouteDecision:
+        """Best score among the replicas within the bounded load (usable is in rendezvous order: ties keep it)."""
+        view = self.view
+        assert view is not None
+        matched = {}
+        for state in usable:
+            position = self._by_url[state.url]
+            matched[position] = view.matched_blocks(position, prompt) if view.synced(position) else 0
+        total = sum(state.in_flight for state in usable)
+        cap = self.config.load_factor * (total + 1) / len(usable) + 1
+        eligible = [state for state in usable if state.in_flight + 1 <= cap] or usable
+        busiest = max(state.in_flight for state in eligible)
+        best: tuple[float, int] | None = None
+        for state in eligible:
+            position = self._by_url[state.url]
+            score = replica_score(self._weights, prompt.fraction(matched[position]), state.in_flight, busiest,
+                                  view.utilisation(position))
+            if best is None or score > best[0]:
+                best = (score, position)
+        assert best is not None
+        position = best[1]
+        longest = max(matched.values())
+        reason: RouteReason = "cold" if not longest else "prefix" if matched[position] >= longest else "load"
+        if failover and reason != "prefix":
+            reason = "failover"
+        return RouteDecision(self._replicas[position].url, position, reason, matched[position])
+
+    def record(self, key: str, decision: RouteDecision, prompt: PromptBlocks | None = None,
+               *, sticky: bool = False) -> None:
+        """A call for ``key`` was sent to ``decision``: remember it for affinity and in the view. O(blocks)."""
+        if sticky:
+            self._sticky[key] = decision.index
+            self._sticky.move_to_end(key)
+            while len(self._sticky) > self.config.sticky_keys:
+                self._sticky.popitem(last=False)
+        if prompt is not None and self.view is not None:
+            self.view.record(decision.index, prompt)
 
     def _overloaded(self, preferred_load: int, least_load: int) -> bool:
         gap_exceeded = preferred_load - least_load > self.config.balance_abs_threshold

@@ -21,7 +21,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from cpmemory._version import __version__
 from cpmemory.errors import (
@@ -32,6 +32,7 @@ from cpmemory.errors import (
     NoHealthyReplicaError,
 )
 from cpmemory.routing.dispatch import Dispatcher
+from cpmemory.routing.prefix import EventPrefixView, PrefixView, SentPrefixView
 from cpmemory.routing.router import Router, RouterConfig
 from cpmemory.routing.transport import ChatTransport, HttpxChatTransport
 from cpmemory.server.metrics import ProxyMetrics
@@ -58,13 +59,19 @@ class ServerConfig(BaseModel):
         api_keys: API key -> tenant. Empty: every caller is the single tenant ``default``.
         cache_salt_secret: key of the hash that derives each tenant's vLLM ``cache_salt``.
         engine_timeout_s: per-call engine timeout; past it the replica is marked down and the call fails over.
-        router: routing thresholds.
-        kv_events: vLLM KV-event endpoints (``tcp://host:port``), one per engine, for eviction sync.
+        router: routing policy and thresholds (prefix-aware by default).
+        kv_events: vLLM KV-event endpoints (``tcp://host:port``), one per engine, for eviction sync (and, when not
+            behind a gateway, for the router's view of what each replica caches).
+        upstream: a gateway (vllm-router, llm-d, an SGLang router) that picks the replica; every call goes there.
+            ``engines`` are then the replicas behind it, used only for ``/tokenize`` and cache config with
+            ``kv_events`` (eviction sync); they may be left empty without ``kv_events``.
+        replica_cache_tokens: each replica's cache size in tokens, for the router's view of what was sent where
+            (used when the replicas publish no KV events).
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    engines: list[str] = Field(min_length=1)
+    engines: list[str] = Field(default_factory=list)
     redis_url: str | None = None
     redis_prefix: str = "cpm"
     redis_socket_timeout_s: float = Field(default=1.0, gt=0)
@@ -73,6 +80,16 @@ class ServerConfig(BaseModel):
     engine_timeout_s: float = Field(default=120.0, gt=0)
     router: RouterConfig = Field(default_factory=RouterConfig)
     kv_events: list[str] = Field(default_factory=list, description="KV-event endpoint per engine, in order")
+    upstream: str | None = Field(default=None, description="a gateway that picks the replica")
+    replica_cache_tokens: int = Field(default=1_000_000, ge=0, description="per replica, for the sent view")
+
+    @model_validator(mode="after")
+    def _check_targets(self) -> ServerConfig:
+        if not self.engines and self.upstream is None:
+            raise ValueError("give at least one engine, or an upstream gateway")
+        if self.kv_events and len(self.kv_events) != len(self.engines):
+            raise ValueError("give one KV-event endpoint per engine, in the same order")
+        return self
 
 
 def error_response(status: int, error_type: str, code: str, message: str, details: Any = None) -> Any:
@@ -134,11 +151,14 @@ def create_app(
         from fastapi import FastAPI
     except ImportError as error:  # pragma: no cover - depends on the environment
         raise MissingDependencyError("server", "fastapi") from error
-    metrics = ProxyMetrics(len(config.engines))
-    router = Router(config.engines, config.router)
+    targets = [config.upstream] if config.upstream else config.engines
+    metrics = ProxyMetrics(len(targets))
+    router = Router(targets, config.router, view=build_view(config))
     owns_transport, owns_memory = transport is None, memory is None
-    dispatcher = Dispatcher(router, transport or HttpxChatTransport(), timeout_s=config.engine_timeout_s)
+    dispatcher = Dispatcher(router, transport or HttpxChatTransport(), timeout_s=config.engine_timeout_s,
+                            failover=config.upstream is None)
     service = ProxyService(memory or build_memory(config), dispatcher, metrics, config.cache_salt_secret)
+    service.upstream = config.upstream is not None
 
     @contextlib.asynccontextmanager
     async def lifespan(_: Any) -> AsyncIterator[None]:
@@ -149,7 +169,8 @@ def create_app(
         if config.kv_events:
             from cpmemory.server.kv_sync import KVSyncHub
 
-            service.kv_sync = KVSyncHub(service.memory, config.engines, config.kv_events)
+            event_view = router.view if isinstance(router.view, EventPrefixView) else None
+            service.kv_sync = KVSyncHub(service.memory, config.engines, config.kv_events, event_view)
             await service.kv_sync.start()
         try:
             yield
@@ -169,6 +190,18 @@ def create_app(
     _install_error_handlers(app)
     _install_routes(app, service, _TenantResolver(config.api_keys))
     return app
+
+
+def build_view(config: ServerConfig) -> PrefixView | None:
+    """The router's view of the replicas' caches: their KV events when given, else what was sent where.
+
+    None behind a gateway (it routes) or with the ``affinity`` policy.
+    """
+    if config.upstream is not None or config.router.policy == "affinity":
+        return None
+    if config.kv_events:
+        return EventPrefixView(len(config.engines))
+    return SentPrefixView(len(config.engines), config.replica_cache_tokens)
 
 
 async def _close_store(memory: Any) -> None:
@@ -304,6 +337,9 @@ def _install_operations(app: Any, service: ProxyService, resolve_tenant: _Tenant
     async def metrics() -> Any:
         if service.kv_sync is not None:
             service.metrics.observe_kv_sync(service.kv_sync.stats(), service.kv_sync.failures)
+        view = service.dispatcher.router.view
+        if isinstance(view, EventPrefixView):
+            service.metrics.observe_prefix_view(view, len(service.dispatcher.router.urls))
         body, content_type = service.metrics.render()
         return Response(body, media_type=content_type)
 

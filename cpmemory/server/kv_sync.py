@@ -8,6 +8,13 @@ event sequence resets the index (never a silently wrong index).
 
 Registration runs in a background task after the response is sent, so it adds no latency to the request. Its
 failures only cost reuse (the leaf stays until the index's own cap evicts it) and are counted.
+
+With prefix-aware routing the same subscribers also feed an :class:`~cpmemory.routing.prefix.EventPrefixView`
+(what each replica caches, from its events); the proxy then tokenizes a prompt *before* routing it
+(:meth:`KVSyncHub.prompt_blocks`, one ``/tokenize`` call), scores the replicas by the engine's own block hashes, and
+registers those hashes for eviction sync without a second call. Behind a gateway (``--upstream``) the proxy does not
+know which replica served a request, so a prompt is registered with every replica's sync: its leaf is evicted as
+soon as any replica drops one of its blocks (conservative: costs reuse, never claims a cached prefix that is gone).
 """
 from __future__ import annotations
 
@@ -32,11 +39,20 @@ class _Replica:
 
 @dataclass(slots=True)
 class KVSyncHub:
-    """Eviction sync for every replica that has a KV-event endpoint. Use from one event loop."""
+    """Eviction sync for every replica that has a KV-event endpoint. Use from one event loop.
+
+    Attributes:
+        memory: the facade (its ``evict`` / ``reset_index``).
+        engines: the replicas' base URLs (``/tokenize`` and ``/metrics`` are called there).
+        endpoints: their KV-event endpoints, in the same order.
+        view: a prefix view fed by the same events (None: eviction sync only).
+        failures: registrations or tokenizations that failed (they only cost reuse).
+    """
 
     memory: Any
     engines: Sequence[str]
     endpoints: Sequence[str]
+    view: Any = None
     failures: int = 0
     _replicas: dict[int, _Replica] = field(default_factory=dict)
     _pending: set[asyncio.Task] = field(default_factory=set)
@@ -58,11 +74,18 @@ class KVSyncHub:
         from cpmemory.engines.kv_events import KVEventSubscriber
 
         self._http = httpx.AsyncClient(timeout=30.0)
+        from cpmemory.routing.prefix import TeeHandler
+
         for index, (url, endpoint) in enumerate(zip(self.engines, self.endpoints)):
             client = AsyncEngineClient(url)
             try:
-                sync = EvictionSync.for_engine(self.memory, _ConfigOnce(await client.cache_config()))
-                subscriber = await asyncio.to_thread(KVEventSubscriber(endpoint, sync).start)
+                config = await client.cache_config()
+                sync = EvictionSync.for_engine(self.memory, _ConfigOnce(config))
+                handler: Any = sync
+                if self.view is not None:
+                    self.view.set_capacity(index, config.num_blocks)
+                    handler = TeeHandler(sync, self.view.handler(index))
+                subscriber = await asyncio.to_thread(KVEventSubscriber(endpoint, handler).start)
             except (CpMemoryError, OSError) as error:
                 logger.warning("no eviction sync for replica %d (%s): %s", index, url, error)
                 self.failures += 1
@@ -71,8 +94,43 @@ class KVSyncHub:
                 await client.aclose()
             self._replicas[index] = _Replica(url.rstrip("/"), sync, subscriber)
 
-    def register_later(self, replica: int, request_id: str, payload: Mapping[str, Any], tenant: str) -> None:
-        """Schedule the registration of a prompt sent to ``replica`` (no-op without a sync for it)."""
+    async def prompt_blocks(self, payload: Mapping[str, Any]) -> Any:
+        """The prompt's blocks keyed by the engine's hashes (``/tokenize`` on a synced replica), or None on failure.
+
+        Returns a ``PromptBlocks``; the hashes are those ``register`` would compute, so the caller passes them on.
+        """
+        import httpx
+
+        from cpmemory.engines.client import parse_tokenize, tokenize_body
+        from cpmemory.routing.prefix import engine_blocks
+
+        if not self._replicas:
+            return None
+        state = next(iter(self._replicas.values()))
+        body = tokenize_body(payload.get("messages") or [], None, str(payload.get("model", "")))
+        try:
+            response = await self._http.post(f"{state.url}/tokenize", json=body)
+            response.raise_for_status()
+            tokens = parse_tokenize(response.json())
+        except (CpMemoryError, httpx.HTTPError, ValueError) as error:
+            self.failures += 1
+            logger.debug("tokenize for routing failed: %s", error)
+            return None
+        return engine_blocks(tokens, state.sync.hasher, payload.get("cache_salt"))
+
+    def register_hashes(self, replica: int | None, request_id: str, hashes: Sequence[int], tenant: str) -> None:
+        """Register a prompt whose engine block hashes are known (``replica`` None: every replica). No IO."""
+        states = self._replicas.values() if replica is None else [self._replicas[replica]] \
+            if replica in self._replicas else []
+        for state in states:
+            state.sync.register_hashes(request_id, hashes, tenant=tenant)
+
+    def register_later(self, replica: int | None, request_id: str, payload: Mapping[str, Any], tenant: str) -> None:
+        """Schedule the registration of a prompt sent to ``replica`` (None: every replica; no-op without a sync)."""
+        if replica is None:
+            for index in list(self._replicas):
+                self.register_later(index, request_id, payload, tenant)
+            return
         state = self._replicas.get(replica)
         if state is None or not request_id:
             return

@@ -50,6 +50,19 @@ class ProxyMetrics:
         self.evictions = Counter("cpmemory_evicted_leaves", "Index leaves removed by reports", registry=registry)
         self.kv_sync = Gauge("cpmemory_kv_sync", "KV-event eviction sync counters per replica", ["replica", "counter"],
                              registry=registry)
+        self.route_decisions = Counter(
+            "cpmemory_route_decisions", "Routing decisions by replica and reason (affinity: the conversation's or "
+            "job's replica; prefix: the longest cached prefix within the load bound; load: load decided; failover: "
+            "the first choice was down)", ["replica", "reason"], registry=registry)
+        self.route_cached_share = Histogram(
+            "cpmemory_route_cached_share", "Share of the prompt the chosen replica holds, as the router's view sees it",
+            buckets=(0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0), registry=registry)
+        self.prefix_view_synced = Gauge(
+            "cpmemory_route_prefix_view_synced", "1 when the replica's KV events are in sequence (prefix scored), 0 "
+            "while it is routed by load only (events lost or missing, until resync)", ["replica"], registry=registry)
+        self.prefix_view_events = Gauge(
+            "cpmemory_route_prefix_view_events", "Prefix view counters per replica (gaps, missing, resyncs, clears, "
+            "batches)", ["replica", "counter"], registry=registry)
         self.kv_sync_failures = Gauge("cpmemory_kv_sync_failures", "Prompt registrations that failed",
                                       registry=registry)
 
@@ -64,6 +77,20 @@ class ProxyMetrics:
             for name in ("registered", "removed_blocks", "evicted_requests", "evicted_leaves", "resets", "resyncs"):
                 self.kv_sync.labels(replica=str(replica), counter=name).set(getattr(values, name, 0))
         self.kv_sync_failures.set(failures)
+
+    def observe_decision(self, replica: int, reason: str, cached_share: float | None) -> None:
+        """Count one routing decision (reason from ``router.ROUTE_REASONS``)."""
+        self.route_decisions.labels(replica=str(replica), reason=reason).inc()
+        if cached_share is not None:
+            self.route_cached_share.observe(cached_share)
+
+    def observe_prefix_view(self, view: Any, replicas: int) -> None:
+        """Copy an event view's sync state and counters into gauges (called on scrape)."""
+        for replica in range(replicas):
+            self.prefix_view_synced.labels(replica=str(replica)).set(1 if view.synced(replica) else 0)
+            stats = view.stats(replica)
+            for name in ("gaps", "missing", "resyncs", "clears", "batches"):
+                self.prefix_view_events.labels(replica=str(replica), counter=name).set(getattr(stats, name, 0))
 
     def render(self) -> tuple[bytes, str]:
         """Return the exposition body and its content type."""

@@ -5,9 +5,12 @@ Flow of a request carrying the ``cpmemory`` extension (or the ``X-Cpmemory-Conve
     prepare (facade: dedup, reorder, annotate)  ->  dispatch to the conversation's replica (failover)
         -> success: commit the answer          -> failure: abort (the stored state is unchanged)
 
-Without the extension the request is passed through to a replica chosen by a prefix-affinity key. Every request
-to an engine carries a request id and the tenant's ``cache_salt`` (a client-sent salt is replaced, so a tenant can
-never share prefix-cache entries with another).
+Without the extension the request is passed through. Routing (``routing.router``): a request that carries no
+conversation history (a plain request, a conversation's first turn) goes where its prompt's prefix is cached, load
+permitting (the router's prefix view: the replicas' KV events when configured, else what was sent where); a
+conversation's later turns keep their replica. Behind a gateway (``upstream``) the gateway picks the replica.
+Every request to an engine carries a request id and the tenant's ``cache_salt`` (a client-sent salt is replaced,
+so a tenant can never share prefix-cache entries with another).
 """
 from __future__ import annotations
 
@@ -22,7 +25,8 @@ from typing import Any, Protocol
 from cpmemory.core.blocks import Block, normalize_blocks
 from cpmemory.errors import EngineError, InvalidInputError, ReservationError, StoreUnavailableError
 from cpmemory.routing.chain_of_agents import completion_text, usage_tokens
-from cpmemory.routing.dispatch import Dispatcher, DispatchResult, StreamDispatch
+from cpmemory.routing.dispatch import NO_HINT, Dispatcher, DispatchResult, RouteHint, StreamDispatch
+from cpmemory.routing.prefix import text_blocks
 from cpmemory.routing.router import RouteDecision, conversation_affinity_key
 from cpmemory.server.metrics import ProxyMetrics
 from cpmemory.server.schemas import ChatCompletionRequest, ChatMessage
@@ -121,6 +125,17 @@ class ProxyService:
         self.metrics = metrics
         self._salt_secret = salt_secret.encode("utf-8")
         self.kv_sync: Any = None  # a KVSyncHub when the engines publish KV events (set by the app's lifespan)
+        self.upstream = False  # True behind a gateway: it picks the replica, the proxy sends no routing hint
+
+    async def route_hint(self, payload: Mapping[str, Any], sticky: bool, remember: bool = True) -> RouteHint:
+        """The router's hint for one engine payload: its prompt blocks (engine hashes when the replicas publish KV
+        events and the view follows them, else character chunks) and whether its key is sticky."""
+        router = self.dispatcher.router
+        if self.upstream or router.view is None or router.config.policy == "affinity":
+            return RouteHint(None, sticky, remember)
+        if self.kv_sync is not None and getattr(self.kv_sync, "view", None) is router.view:
+            return RouteHint(await self.kv_sync.prompt_blocks(payload), sticky, remember)
+        return RouteHint(text_blocks(payload.get("messages") or []), sticky, remember)
 
     def cache_salt(self, tenant: str) -> str:
         """The tenant's vLLM ``cache_salt``: a keyed hash of the tenant, stable across restarts."""
@@ -153,15 +168,19 @@ class ProxyService:
         """Forward a plain request to the replica of its prefix-affinity key."""
         request_id = "cpm-" + uuid.uuid4().hex
         payload = self.engine_payload(request, None, request_id, tenant)
-        result = await self.dispatcher.complete(prefix_key(tenant, request), payload, {"X-Request-Id": request_id})
-        self._count_engine(result.decision, result.failovers, result.response.get("usage"))
+        hint = await self.route_hint(payload, sticky=False, remember=False)
+        result = await self.dispatcher.complete(prefix_key(tenant, request), payload, {"X-Request-Id": request_id},
+                                                hint)
+        self._count_engine(result.decision, result.failovers, result.response.get("usage"), hint)
         return result
 
     async def open_pass_through_stream(self, request: ChatCompletionRequest, tenant: str) -> StreamDispatch:
         """Open a plain streaming request on the replica of its prefix-affinity key."""
         request_id = "cpm-" + uuid.uuid4().hex
         payload = self.engine_payload(request, None, request_id, tenant)
-        return await self.dispatcher.open_stream(prefix_key(tenant, request), payload, {"X-Request-Id": request_id})
+        hint = await self.route_hint(payload, sticky=False, remember=False)
+        return await self.dispatcher.open_stream(prefix_key(tenant, request), payload, {"X-Request-Id": request_id},
+                                                 hint)
 
     async def run_turn(
         self, request: ChatCompletionRequest, tenant: str, turn: TurnInput, prepared: Any, started: float
@@ -171,15 +190,16 @@ class ProxyService:
         payload = self.engine_payload(request, prepared.messages, request_id, tenant)
         key = conversation_affinity_key(tenant, turn.conversation_id)
         try:
-            result = await self.dispatcher.complete(key, payload, {"X-Request-Id": request_id})
+            hint = await self.route_hint(payload, has_history(turn, prepared))
+            result = await self.dispatcher.complete(key, payload, {"X-Request-Id": request_id}, hint)
         except EngineError:
             await self.abort(prepared)
             self.metrics.requests.labels(replica="none", outcome="engine_error").inc()
             raise
         committed = await self.commit(prepared, completion_text(result.response))
         if committed and self.kv_sync is not None:
-            self.kv_sync.register_later(result.decision.index, request_id, payload, tenant)
-        self._count_engine(result.decision, result.failovers, result.response.get("usage"))
+            self._register(result.decision.index, request_id, payload, tenant, hint)
+        self._count_engine(result.decision, result.failovers, result.response.get("usage"), hint)
         overhead = time.perf_counter() - started - result.engine_seconds
         info = self.turn_info(turn, prepared, result.decision, result.failovers, result.response.get("usage"),
                               committed, overhead)
@@ -192,10 +212,20 @@ class ProxyService:
         payload = self.engine_payload(request, prepared.messages, request_id, tenant)
         key = conversation_affinity_key(tenant, turn.conversation_id)
         try:
-            return await self.dispatcher.open_stream(key, payload, {"X-Request-Id": request_id})
+            hint = await self.route_hint(payload, has_history(turn, prepared))
+            return await self.dispatcher.open_stream(key, payload, {"X-Request-Id": request_id}, hint)
         except EngineError:
             await self.abort(prepared)
             raise
+
+    def _register(self, replica: int, request_id: str, payload: Mapping[str, Any], tenant: str,
+                  hint: RouteHint) -> None:
+        """Register a committed prompt for eviction sync: its known hashes, else a background ``/tokenize``."""
+        target = None if self.upstream else replica
+        if hint.prompt is not None and self.kv_sync.view is not None:
+            self.kv_sync.register_hashes(target, request_id, hint.prompt.keys, tenant)
+        else:
+            self.kv_sync.register_later(target, request_id, payload, tenant)
 
     async def relay_stream(
         self, opened: StreamDispatch, prepared: Any | None, overhead_s: float
@@ -266,16 +296,23 @@ class ProxyService:
             "committed": committed, "overhead_ms": round(max(0.0, overhead_s) * 1000, 3),
         }
 
-    def _count_engine(self, decision: RouteDecision, failovers: int, usage: Any) -> None:
+    def _count_engine(self, decision: RouteDecision, failovers: int, usage: Any, hint: RouteHint = NO_HINT) -> None:
         prompt_tokens, cached_tokens = usage_tokens({"usage": usage})
         self.metrics.prompt_tokens.inc(prompt_tokens)
         self.metrics.cached_tokens.inc(cached_tokens)
         self.metrics.requests.labels(replica=str(decision.index), outcome="ok").inc()
+        share = hint.prompt.fraction(decision.cached_blocks) if hint.prompt is not None else None
+        self.metrics.observe_decision(decision.index, decision.reason, share)
         if failovers:
             self.metrics.fallbacks.labels(kind="engine").inc(failovers)
         if decision.reason == "load":
             self.metrics.fallbacks.labels(kind="load").inc()
         self.metrics.healthy_replicas.set(self.dispatcher.router.healthy_count())
+
+
+def has_history(turn: TurnInput, prepared: Any) -> bool:
+    """Whether a turn carries conversation history (a later turn, or the client's own transcript)."""
+    return bool(turn.history) or int(getattr(prepared, "turn", 1) or 1) > 1
 
 
 def engine_request_id(prepared: Any) -> str:

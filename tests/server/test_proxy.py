@@ -85,7 +85,9 @@ async def test_engine_failure_fails_over_then_aborts_when_all_down(proxy) -> Non
     await proxy.service.dispatcher.router.probe(proxy.transport.is_healthy)
     after = await proxy.client.post("/v1/chat/completions", json=turn_body("f", "q4", BLOCKS_1))
     assert after.json()["cpmemory"]["turn"] == 3  # the failed turn was aborted, not committed
-    assert after.json()["cpmemory"]["replica"] == home
+    # the conversation stays where its last committed turn (and so its history) is cached
+    assert after.json()["cpmemory"]["replica"] == info["replica"]
+    assert after.json()["cpmemory"]["route_reason"] == "affinity"
 
 
 async def test_engine_client_error_is_relayed_and_turn_aborted(proxy) -> None:
@@ -219,4 +221,6 @@ async def test_overloaded_replica_sheds_to_the_least_loaded(make_proxy) -> None:
     for _ in range(3):
         router.end(router.urls[home])
     back = await proxy.client.post("/v1/chat/completions", json=turn_body("busy", "q3", BLOCKS_1))
-    assert back.json()["cpmemory"]["replica"] == home
+    # the conversation now follows the replica that holds its latest history (where turn 2 went)
+    assert back.json()["cpmemory"]["replica"] == shed.json()["cpmemory"]["replica"]
+    assert back.json()["cpmemory"]["route_reason"] == "affinity"
