@@ -17,7 +17,7 @@ only when the imbalance would cost more than the cache saves).
 Prefix-aware routing (``policy="prefix"``, the default, when the caller passes the prompt's blocks and the router has
 a :class:`~cpmemory.routing.prefix.PrefixView`): a request that carries no conversation history goes to the replica
 with the best score (cached share of the prompt, in-flight requests, KV utilisation; see ``routing.prefix``) among
-those within a bounded load (at most ``load_factor`` times the mean in flight, plus one), ties broken by rendezvous
+those within a bounded load (at most ``load_factor`` times the mean in flight plus ``load_slack``), ties broken by rendezvous
 rank. A *sticky* request (a conversation's later turn, a Chain-of-Agents job) goes back to the replica its key went
 to last (a bounded LRU map), unless that replica is down or overloaded; a key the map does not know (another
 worker's, or after a restart) is routed by prefix, which finds where its history is cached.
@@ -57,7 +57,8 @@ class RouterConfig(BaseModel):
     prefix_weight: float = Field(default=2.0, ge=0, description="weight of the cached share of the prompt")
     queue_weight: float = Field(default=1.0, ge=0, description="weight of in-flight requests (over the busiest)")
     kv_weight: float = Field(default=1.0, ge=0, description="weight of the replica's KV-cache utilisation")
-    load_factor: float = Field(default=1.25, ge=1.0, description="bounded load: in flight <= factor * mean + 1")
+    load_factor: float = Field(default=1.25, ge=1.0, description="bounded load: in flight <= factor * mean + slack")
+    load_slack: float = Field(default=2.0, ge=0, description="requests a replica may run above the bounded load")
     sticky_keys: int = Field(default=100_000, ge=1, description="conversations / jobs remembered for affinity")
 
 
@@ -228,7 +229,7 @@ class Router:
             position = self._by_url[state.url]
             matched[position] = view.matched_blocks(position, prompt) if view.synced(position) else 0
         total = sum(state.in_flight for state in usable)
-        cap = self.config.load_factor * (total + 1) / len(usable) + 1
+        cap = self.config.load_factor * (total + 1) / len(usable) + self.config.load_slack
         eligible = [state for state in usable if state.in_flight + 1 <= cap] or usable
         busiest = max(state.in_flight for state in eligible)
         best: tuple[float, int] | None = None
