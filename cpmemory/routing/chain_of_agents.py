@@ -100,6 +100,8 @@ def split_chunks(text: str, chunk_chars: int, max_chunks: int | None = None) -> 
     start = 0
     while start < len(text):
         end = min(len(text), start + chunk_chars)
+        if max_chunks is not None and len(chunks) + 1 >= max_chunks:
+            end = len(text)  # the last allowed chunk takes the rest (cuts after whitespace may have made them short)
         if end < len(text):
             cut = max(text.rfind(" ", start, end), text.rfind("\n", start, end))
             if cut > start:

@@ -210,7 +210,11 @@ class Router:
             lost = state not in usable
             if not lost and not self._overloaded(state.in_flight, least.in_flight):
                 return RouteDecision(state.url, remembered, "affinity", self.view.matched_blocks(remembered, prompt))
-        return self._choose_by_prefix(usable, prompt, failover=bool(excluded) or lost)
+        decision = self._choose_by_prefix(usable, prompt, failover=bool(excluded) or lost)
+        if self._overloaded(self._replicas[decision.index].in_flight, least.in_flight):  # SGLang's imbalance rule
+            position = self._by_url[least.url]
+            return RouteDecision(least.url, position, "load", self.view.matched_blocks(position, prompt))
+        return decision
 
     def _choose_by_key(self, usable: list[_ReplicaState], least: _ReplicaState, first: str) -> RouteDecision:
         preferred = usable[0]
