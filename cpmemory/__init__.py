@@ -19,7 +19,6 @@ from cpmemory.session.turns import BlockDecision, PreparedTurn
 from cpmemory.types import BatchPlan, BlockStatus
 
 __all__ = [
-    "__version__",
     "AsyncCpMemory",
     "BatchPlan",
     "Block",
@@ -36,5 +35,6 @@ __all__ = [
     "ReservationExpiredError",
     "StoreUnavailableError",
     "UnknownReservationError",
+    "__version__",
     "normalize_blocks",
 ]

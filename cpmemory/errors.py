@@ -6,7 +6,9 @@ Hierarchy::
     ├── InvalidInputError (also ValueError)     bad caller input; nothing was changed
     │   ├── InvalidBlockError                   a block that cannot be used (bad id type, bad text type)
     │   ├── InvalidIdentifierError              hostile or malformed tenant / conversation id
-    │   └── TraceFormatError                    a malformed trace line (carries line number)
+    │   ├── TraceFormatError                    a malformed trace line (carries line number)
+    │   ├── TokenCounterError                   the token counter raised, or returned a negative or non-integer
+    │   └── PromptBudgetError                   the turn cannot fit the token budget (checked before reserving)
     ├── ReservationError                        two-phase turn misuse
     │   ├── UnknownReservationError             commit/abort for a reservation never made or already released
     │   └── ReservationExpiredError             commit after the reservation timed out
@@ -47,6 +49,25 @@ class TraceFormatError(InvalidInputError):
         super().__init__(f"trace line {line_number}: {reason}")
         self.line_number = line_number
         self.reason = reason
+
+
+class TokenCounterError(InvalidInputError):
+    """The token counter raised, or returned something other than a non-negative int (nothing was reserved)."""
+
+
+class PromptBudgetError(InvalidInputError):
+    """A prompt cannot fit the token budget: a non-positive budget, one block larger than the budget, or the new turn
+    alone (system prompt, every block in full, annotations, question) over it. Raised before anything is reserved.
+
+    Attributes:
+        budget: the budget in tokens.
+        needed: the tokens the smallest possible prompt needs (0 when unknown).
+    """
+
+    def __init__(self, message: str, budget: int = 0, needed: int = 0) -> None:
+        super().__init__(message)
+        self.budget = budget
+        self.needed = needed
 
 
 class ReservationError(CpMemoryError):

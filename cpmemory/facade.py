@@ -30,8 +30,16 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, NoReturn
 
 from cpmemory.core.blocks import BlockLike, normalize_blocks
-from cpmemory.errors import InvalidInputError, StoreUnavailableError, UnknownReservationError
+from cpmemory.errors import (
+    InvalidInputError,
+    PromptBudgetError,
+    StoreUnavailableError,
+    TokenCounterError,
+    UnknownReservationError,
+)
 from cpmemory.session.batch import plan_contexts
+from cpmemory.session.budget import PromptBudget, check_budget, estimate_tokens
+from cpmemory.session.budgeted import check_turn_alone, fit_degraded, plan_budgeted
 from cpmemory.session.config import CpMemoryConfig
 from cpmemory.session.counters import FacadeCounters
 from cpmemory.session.index import Placement, TenantIndexes
@@ -73,6 +81,7 @@ class _FacadeCore:
         self._pending_lock = threading.Lock()
         self._outage = False
         self._segments = SegmentCache()
+        self._token_counts: dict[str, int] = {}  # shared by every call's PromptBudget (bounded there)
 
     # -- prepare -------------------------------------------------------------------------------------------------
     def _input(
@@ -80,28 +89,55 @@ class _FacadeCore:
     ) -> TurnInput:
         return make_input(conversation_id, query, blocks, config=self.config, **kwargs)
 
-    def _planned(self, turn_input: TurnInput, reservation: Any) -> PreparedTurn:
+    def _budget(self, override: int | None) -> PromptBudget | None:
+        """The token budget of one call (``max_prompt_tokens`` argument, else the config's); None when none."""
+        limit = override if override is not None else self.config.max_prompt_tokens
+        if limit is None:
+            return None
+        counter = self.config.token_counter or estimate_tokens
+        return PromptBudget(check_budget(limit), counter, self.config.message_overhead_tokens, self._token_counts)
+
+    def _checked_input(self, budget: PromptBudget | None, *args: Any, **kwargs: Any) -> TurnInput:
+        """Validate the call; with a budget, check that the turn fits alone (all before anything is reserved)."""
+        turn_input = self._input(*args, **kwargs)
+        if budget is not None:
+            check_turn_alone(turn_input, self.config, budget)
+        return turn_input
+
+    def _planned(self, turn_input: TurnInput, reservation: Any, budget: PromptBudget | None = None) -> PreparedTurn:
         if self._outage:
             self._outage = False
             logger.warning("session store reachable again; de-duplication resumed")
         # A conversation's history only grows: its segment index is cached and extended (stored or given history).
         source = functools.partial(self._segments.for_history, turn_input.key)
         try:
-            turn = plan_turn(turn_input, reservation, self._indexes, self.config, source)
+            if budget is not None:
+                turn = plan_budgeted(turn_input, reservation, self._indexes, self.config, budget, source)
+            else:
+                turn = plan_turn(turn_input, reservation, self._indexes, self.config, source)
+        except (PromptBudgetError, TokenCounterError):
+            raise
         except Exception:  # an index bug must not lose the request: fall back to relevance order
             logger.exception("context index failed; tenant index reset, request kept in relevance order")
             self.counters.add(index_errors=1)
             self._indexes.reset(turn_input.key.tenant)
-            turn = plan_turn(turn_input, reservation, _NoIndex(), self.config)
+            if budget is not None:
+                turn = plan_budgeted(turn_input, reservation, _NoIndex(), self.config, budget)
+            else:
+                turn = plan_turn(turn_input, reservation, _NoIndex(), self.config)
         self._remember(turn)
         self.counters.add(**turn_counts(turn, self.config.chars_per_token))
         return turn
 
-    def _degraded(self, turn_input: TurnInput, error: BaseException) -> PreparedTurn:
+    def _degraded(
+        self, turn_input: TurnInput, error: BaseException, budget: PromptBudget | None = None
+    ) -> PreparedTurn:
         if not self._outage:
             self._outage = True
             logger.warning("session store unavailable (%s); serving pass-through until it returns", error)
         turn = degraded_turn(turn_input, self.config)
+        if budget is not None:
+            turn = fit_degraded(turn, budget)
         self.counters.add(fallbacks=1, **turn_counts(turn, self.config.chars_per_token))
         return turn
 
@@ -254,6 +290,7 @@ class CpMemory(_FacadeCore):
         tenant: str = "default",
         system_prompt: str | None = None,
         prompt_order: Iterable[Any] | None = None,
+        max_prompt_tokens: int | None = None,
     ) -> PreparedTurn:
         """Prepare one turn: reserve, de-duplicate, reorder, annotate. One store round trip.
 
@@ -267,12 +304,16 @@ class CpMemory(_FacadeCore):
             tenant: the tenant (isolates state and index).
             system_prompt: overrides the configured system prompt.
             prompt_order: block ids fixing the order of the blocks shown in full (from plan_batch).
+            max_prompt_tokens: the token budget of this prompt (overrides ``CpMemoryConfig.max_prompt_tokens``).
 
         Returns:
-            The PreparedTurn (its ``messages`` go to the LLM). Raises InvalidInputError subclasses on bad input,
-            before anything is reserved.
+            The PreparedTurn (its ``messages`` go to the LLM; with a budget, ``prompt_tokens`` <= the budget under
+            the configured counter). Raises InvalidInputError subclasses on bad input (PromptBudgetError when the turn
+            cannot fit, TokenCounterError when the counter fails), before anything is reserved.
         """
-        turn_input = self._input(
+        budget = self._budget(max_prompt_tokens)
+        turn_input = self._checked_input(
+            budget,
             conversation_id,
             query,
             blocks,
@@ -286,8 +327,20 @@ class CpMemory(_FacadeCore):
         except Exception as error:
             if not is_store_failure(error):
                 raise
-            return self._degraded(turn_input, error)
-        return self._planned(turn_input, reservation)
+            return self._degraded(turn_input, error, budget)
+        try:
+            return self._planned(turn_input, reservation, budget)
+        except (PromptBudgetError, TokenCounterError):
+            self._release(turn_input.key, reservation.reservation_id)
+            raise
+
+    def _release(self, key: ConversationKey, reservation_id: str) -> None:
+        """Abort a reservation whose turn could not be planned (a store failure is left to its timeout)."""
+        try:
+            self.store.abort(key, reservation_id)
+        except Exception as error:
+            if not is_store_failure(error):
+                raise
 
     def commit(self, turn_or_reservation_id: PreparedTurn | str, answer: str) -> int:
         """Make the turn durable with the model's answer; returns the committed turn number (0 for degraded turns).
@@ -354,9 +407,12 @@ class AsyncCpMemory(_FacadeCore):
         tenant: str = "default",
         system_prompt: str | None = None,
         prompt_order: Iterable[Any] | None = None,
+        max_prompt_tokens: int | None = None,
     ) -> PreparedTurn:
         """See :meth:`CpMemory.prepare`."""
-        turn_input = self._input(
+        budget = self._budget(max_prompt_tokens)
+        turn_input = self._checked_input(
+            budget,
             conversation_id,
             query,
             blocks,
@@ -370,8 +426,20 @@ class AsyncCpMemory(_FacadeCore):
         except Exception as error:
             if not is_store_failure(error):
                 raise
-            return self._degraded(turn_input, error)
-        return self._planned(turn_input, reservation)
+            return self._degraded(turn_input, error, budget)
+        try:
+            return self._planned(turn_input, reservation, budget)
+        except (PromptBudgetError, TokenCounterError):
+            await self._release(turn_input.key, reservation.reservation_id)
+            raise
+
+    async def _release(self, key: ConversationKey, reservation_id: str) -> None:
+        """See :meth:`CpMemory._release`."""
+        try:
+            await self.store.abort(key, reservation_id)
+        except Exception as error:
+            if not is_store_failure(error):
+                raise
 
     async def commit(self, turn_or_reservation_id: PreparedTurn | str, answer: str) -> int:
         """See :meth:`CpMemory.commit`."""

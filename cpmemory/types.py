@@ -78,11 +78,16 @@ class SeenBlock:
 
 @dataclass(frozen=True, slots=True)
 class ReserveRequest:
-    """What ``reserve`` needs: the request's blocks as (block_id, content_hash) pairs, in request order."""
+    """What ``reserve`` needs: the request's blocks as (block_id, content_hash) pairs, in request order.
+
+    ``history_turns`` (with ``include_transcript``): return only the turn window of ``max_history_turns`` = N turns
+    (the turns after ``cpmemory.session.turns.window_start(turns, N)``); None returns every stored turn.
+    """
 
     blocks: tuple[tuple[str, str], ...]
     reservation_timeout_s: float = 120.0
     include_transcript: bool = True
+    history_turns: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,7 +95,9 @@ class Reservation:
     """What ``reserve`` returns: the committed state relevant to this request, and the reservation id.
 
     ``seen`` and ``previous_hash_for_id`` are restricted to the hashes / ids of the request.
-    ``transcript`` is None when not requested.
+    ``transcript`` is None when not requested; it holds the committed turns after ``transcript_start`` (turns
+    trimmed from the store, or outside the requested turn window, are not returned), and ``turn_sizes`` gives the
+    number of messages of each of those turns (empty: unknown, a user message starts each turn).
     """
 
     reservation_id: str
@@ -99,20 +106,31 @@ class Reservation:
     previous_hash_for_id: Mapping[str, str]
     transcript: tuple[Message, ...] | None = None
     last_search_path: tuple[int, ...] = ()
+    transcript_start: int = 0
+    turn_sizes: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
 class TurnRecord:
-    """What ``commit`` makes durable."""
+    """What ``commit`` makes durable.
+
+    ``trim_before``: the committed turns up to this number are no longer needed by the caller (they left its history
+    window); the store drops them, with the seen entries that point into them, in the same atomic step.
+    """
 
     messages: tuple[Message, ...]
     shown: tuple[SeenBlock, ...]
     search_path: tuple[int, ...] = ()
+    trim_before: int = 0
 
 
 @dataclass(frozen=True, slots=True)
 class ConversationState:
-    """A full read of one conversation (for inspection, tests and tools; not on the hot path)."""
+    """A full read of one conversation (for inspection, tests and tools; not on the hot path).
+
+    ``transcript`` and ``search_paths`` hold the turns still stored: the last ``len(search_paths)`` committed turns
+    (older ones were trimmed, see ``TurnRecord.trim_before`` and the stores' ``max_transcript_turns``).
+    """
 
     turns: int = 0
     seen: Mapping[str, SeenBlock] = field(default_factory=dict)

@@ -27,6 +27,7 @@ from cpmemory.errors import InvalidBlockError, InvalidInputError
 from cpmemory.session.config import CpMemoryConfig
 from cpmemory.session.index import TenantIndexes
 from cpmemory.session.labels import LabelContext, assign_labels
+from cpmemory.session.window import SentHistory, sent_history, turn_offsets, window_start  # noqa: F401 - re-exported
 from cpmemory.types import (
     FULL_TEXT_STATUSES,
     ConversationKey,
@@ -83,7 +84,11 @@ class PreparedTurn:
         user_message: the content of the user message as sent (what commit records, even if the caller
             mutates ``messages``).
         index_evictions: requests the tenant's index dropped to stay bounded when this one was inserted.
-        dropped_turns: committed turns left out of the history sent (``CpMemoryConfig.max_history_turns``).
+        dropped_turns: committed turns left out of the history sent (``CpMemoryConfig.max_history_turns``, the
+            token budget's window, or trimmed from the store).
+        prompt_tokens: the prompt's size under the budget's counter (0 when no budget applies).
+        budget: the token budget the prompt fits (None: none).
+        trim_before: committed turns the store may drop at commit (they are outside the budget's window).
     """
 
     reservation_id: str
@@ -102,6 +107,9 @@ class PreparedTurn:
     user_message: str = field(default="", repr=False)
     index_evictions: int = 0
     dropped_turns: int = 0
+    prompt_tokens: int = 0
+    budget: int | None = None
+    trim_before: int = 0
 
     @property
     def key(self) -> ConversationKey:
@@ -183,58 +191,12 @@ def make_input(
 def reserve_request(turn_input: TurnInput, config: CpMemoryConfig) -> ReserveRequest:
     """Return what the store must read for this request."""
     pairs = tuple((block.id, digest) for block, digest in zip(turn_input.blocks, turn_input.digests))
-    return ReserveRequest(pairs, config.reservation_timeout_s, include_transcript=turn_input.history is None)
-
-
-def window_start(turns: int, max_turns: int | None) -> int:
-    """Return how many of the oldest committed turns are left out of the prompt (0 = send them all).
-
-    At most ``max_turns`` turns are kept and the window starts at a multiple of ``max_turns``: once the transcript
-    outgrows the window, the window restarts after the last full block of ``max_turns`` turns, keeping between 1
-    and ``max_turns`` turns. Between two restarts every turn's history extends the previous one (the engine's prefix
-    cache keeps matching it), and right after a restart the history to recompute is a single turn. (A sliding
-    window would change the prefix on every turn; restarting every ``max_turns / 2`` turns measured 1.8-1.9x the
-    prefill in examples/mem0_chat.py.) Pure; O(1).
-    """
-    if max_turns is None or turns <= max_turns:
-        return 0
-    return (turns - 1) // max_turns * max_turns
-
-
-@dataclass(frozen=True, slots=True)
-class SentHistory:
-    """The history a request sends.
-
-    Attributes:
-        messages: the messages, in order.
-        stored: True when they are (a window of) the stored transcript, False for a caller-given history.
-        dropped_turns: committed turns left out at the front (stored transcript only).
-        turns_known: True when every committed turn starts with one user message of ``messages`` (then a block
-            committed in turn ``t`` is in the window exactly when ``t > dropped_turns``).
-    """
-
-    messages: tuple[Message, ...]
-    stored: bool = True
-    dropped_turns: int = 0
-    turns_known: bool = True
-
-
-def sent_history(
-    turn_input: TurnInput, reservation: Reservation | None, max_turns: int | None = None
-) -> SentHistory:
-    """Return the history this request sends: the given one, else the stored transcript (its last window)."""
-    if turn_input.history is not None:
-        return SentHistory(turn_input.history, stored=False)
-    if reservation is None or reservation.transcript is None:
-        return SentHistory(())
-    transcript = tuple(reservation.transcript)
-    dropped = window_start(reservation.turn, max_turns)
-    if dropped == 0:
-        return SentHistory(transcript)
-    starts = [i for i, message in enumerate(transcript) if message["role"] == "user"]
-    known = len(starts) == reservation.turn and (not starts or starts[0] == 0)
-    cut = starts[dropped] if dropped < len(starts) else len(transcript)
-    return SentHistory(transcript[cut:], dropped_turns=dropped, turns_known=known)
+    return ReserveRequest(
+        pairs,
+        config.reservation_timeout_s,
+        include_transcript=turn_input.history is None,
+        history_turns=config.max_history_turns,
+    )
 
 
 def history_view(sent: SentHistory, reservation: Reservation, config: CpMemoryConfig) -> HistoryView:
@@ -364,9 +326,15 @@ def plan_turn(
     indexes: TenantIndexes,
     config: CpMemoryConfig,
     segment_source: SegmentSource | None = None,
+    sent: SentHistory | None = None,
 ) -> PreparedTurn:
-    """Decide dedup, place the request in the tenant's index, order and write the prompt (mutates the index only)."""
-    sent = sent_history(turn_input, reservation, config.max_history_turns)
+    """Decide dedup, place the request in the tenant's index, order and write the prompt (mutates the index only).
+
+    Args:
+        sent: the history to send; None: ``sent_history`` (the turn window of ``max_history_turns``).
+    """
+    if sent is None:
+        sent = sent_history(turn_input, reservation, config.max_history_turns)
     segments = (segment_source or SegmentIndex.from_messages)(sent.messages) if sent.messages else None
     decisions = decide_blocks(turn_input, reservation, sent, config, segments)
     context = LabelContext(
@@ -455,7 +423,7 @@ def commit_record(turn: PreparedTurn, answer: str) -> TurnRecord:
         if d.status in FULL_TEXT_STATUSES
     )
     messages = ({"role": "user", "content": user}, {"role": "assistant", "content": answer})
-    return TurnRecord(messages=messages, shown=shown, search_path=turn.search_path)
+    return TurnRecord(messages=messages, shown=shown, search_path=turn.search_path, trim_before=turn.trim_before)
 
 
 def turn_counts(turn: PreparedTurn, chars_per_token: float) -> dict[str, int]:

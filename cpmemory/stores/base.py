@@ -4,8 +4,9 @@ State of one conversation (tenant + conversation id):
   * ``turns``        number of committed turns;
   * ``seen``         content_hash -> SeenBlock (where the block's full text sits in the transcript);
   * ``ids``          block_id -> content_hash last committed under that id (detects *changed* blocks);
-  * ``transcript``   committed chat messages (user turn with its context, assistant answer), in commit order;
-  * ``search_paths`` the index search path of each committed turn (used for routing affinity);
+  * ``transcript``   committed chat messages (user turn with its context, assistant answer), in commit order, kept
+                     per turn for the last ``max_transcript_turns`` turns at most (see "Bounded transcript");
+  * ``search_paths`` the index search path of each stored turn (used for routing affinity);
   * ``reservations`` open reservations (prepared, not yet committed or aborted), each with a deadline.
 
 Contract (every implementation passes tests/stores/test_contract.py):
@@ -19,6 +20,13 @@ Contract (every implementation passes tests/stores/test_contract.py):
   * Every call refreshes the conversation's TTL; an expired conversation reads as empty, never as an error.
   * Tenants are isolated: no call with one tenant can read or change another tenant's state.
   * A store that cannot reach its backend raises StoreUnavailableError (the facade degrades to pass-through).
+
+Bounded transcript (flat reads):
+  * ``reserve`` returns only the stored turns after ``max(trimmed turns, window_start(turns, history_turns))``
+    (``Reservation.transcript_start``), with the message count of each (``turn_sizes``): O(window) bytes.
+  * ``commit`` drops, in the same atomic step, the oldest turns beyond ``max_transcript_turns`` and every turn up to
+    ``TurnRecord.trim_before``, together with the seen entries (and the id entries pointing at them) that were last
+    shown in a dropped turn: a block whose text left the store is never referenced again, it is resent.
 """
 from __future__ import annotations
 
@@ -35,7 +43,22 @@ from cpmemory.types import (
     TurnRecord,
 )
 
+DEFAULT_MAX_TRANSCRIPT_TURNS = 1000
+"""Default cap on the turns a store keeps per conversation (oldest trimmed first)."""
+
+
+def history_window_start(turns: int, history_turns: int | None) -> int:
+    """The turn window of ``max_history_turns``: committed turns left out (``cpmemory.session.turns.window_start``).
+
+    The Lua reserve script computes the same. Pure; O(1).
+    """
+    if history_turns is None or history_turns <= 0 or turns <= history_turns:
+        return 0
+    return (turns - 1) // history_turns * history_turns
+
+
 __all__ = [
+    "DEFAULT_MAX_TRANSCRIPT_TURNS",
     "MAX_IDENTIFIER_CHARS",
     "AsyncSessionStore",
     "ConversationKey",
@@ -46,6 +69,7 @@ __all__ = [
     "SeenBlock",
     "SessionStore",
     "TurnRecord",
+    "history_window_start",
 ]
 
 

@@ -7,8 +7,9 @@ conversation id)::
                             "tenant" / "conversation" -> the raw ids (inspection only);
                             "s:<content_hash>" -> "<turn>:<len(label)>:<label><block_id>"   (seen blocks)
                             "i:<block_id utf-8>" -> content_hash                      (last hash per id)
-    P:{T:C}:log      list   transcript messages (JSON), commit order
-    P:{T:C}:paths    list   search path of each committed turn (JSON)
+                            "t:<turn>" -> the "s:" / "i:" fields that turn showed, length-prefixed (for trims)
+    P:{T:C}:log      list   one entry per stored turn: its messages as a JSON array (the last LLEN turns)
+    P:{T:C}:paths    list   search path of each stored turn (JSON)
     P:{T:C}:res      zset   open reservation id -> deadline (server ms)
     P:{T:C}:done     zset   committed reservation id -> turn; "x:<id>" -> turn at expiry (expired marker)
 

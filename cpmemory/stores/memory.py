@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 from cpmemory.errors import InvalidInputError, ReservationExpiredError, UnknownReservationError
 from cpmemory.stores.base import (
+    DEFAULT_MAX_TRANSCRIPT_TURNS,
     ConversationKey,
     ConversationState,
     Message,
@@ -26,6 +27,7 @@ from cpmemory.stores.base import (
     ReserveRequest,
     SeenBlock,
     TurnRecord,
+    history_window_start,
 )
 
 SWEEP_EVERY = 1024
@@ -42,8 +44,9 @@ class _Conversation:
     turns: int = 0
     seen: dict[str, SeenBlock] = field(default_factory=dict)
     ids: dict[str, str] = field(default_factory=dict)
-    transcript: list[Message] = field(default_factory=list)
-    search_paths: list[tuple[int, ...]] = field(default_factory=list)
+    transcript: list[tuple[Message, ...]] = field(default_factory=list)  # per stored turn
+    shown: list[tuple[tuple[str, str], ...]] = field(default_factory=list)  # per stored turn: (hash, id) shown
+    search_paths: list[tuple[int, ...]] = field(default_factory=list)  # per stored turn
     reservations: dict[str, float] = field(default_factory=dict)  # id -> deadline
     committed: OrderedDict[str, int] = field(default_factory=OrderedDict)  # id -> turn (double commit)
     expired: OrderedDict[str, None] = field(default_factory=OrderedDict)  # ids that timed out
@@ -67,11 +70,22 @@ class InMemorySessionStore:
     Args:
         ttl_s: seconds a conversation lives after its last use; None keeps it forever.
         clock: monotonic time source in seconds (injectable for tests).
+        max_transcript_turns: turns kept per conversation; older ones are trimmed at commit, with the seen entries
+            pointing into them (see cpmemory.stores.base, "Bounded transcript").
     """
 
-    def __init__(self, ttl_s: float | None = 24 * 3600.0, clock: Clock = time.monotonic) -> None:
+    def __init__(
+        self,
+        ttl_s: float | None = 24 * 3600.0,
+        clock: Clock = time.monotonic,
+        *,
+        max_transcript_turns: int = DEFAULT_MAX_TRANSCRIPT_TURNS,
+    ) -> None:
         if ttl_s is not None and ttl_s <= 0:
             raise InvalidInputError(f"ttl_s must be positive or None, got {ttl_s!r}")
+        if isinstance(max_transcript_turns, bool) or not isinstance(max_transcript_turns, int) or max_transcript_turns < 1:
+            raise InvalidInputError(f"max_transcript_turns must be a positive int, got {max_transcript_turns!r}")
+        self._max_turns = max_transcript_turns
         self._ttl_s = ttl_s
         self._clock = clock
         self._lock = threading.Lock()
@@ -106,7 +120,7 @@ class InMemorySessionStore:
             del self._conversations[key]
 
     def reserve(self, key: ConversationKey, request: ReserveRequest) -> Reservation:
-        """Read the committed state this request needs and record a reservation, atomically. O(k + transcript)."""
+        """Read the committed state this request needs and record a reservation, atomically. O(k + window)."""
         reservation_id = uuid.uuid4().hex
         with self._lock:
             now = self._clock()
@@ -115,9 +129,17 @@ class InMemorySessionStore:
             conversation.reservations[reservation_id] = now + request.reservation_timeout_s
             seen = {h: conversation.seen[h] for _, h in request.blocks if h in conversation.seen}
             previous = {i: conversation.ids[i] for i, _ in request.blocks if i in conversation.ids}
-            transcript = tuple(conversation.transcript) if request.include_transcript else None
             last_path = conversation.search_paths[-1] if conversation.search_paths else ()
-            return Reservation(reservation_id, conversation.turns, seen, previous, transcript, last_path)
+            if not request.include_transcript:
+                return Reservation(reservation_id, conversation.turns, seen, previous, None, last_path)
+            base = conversation.turns - len(conversation.transcript)
+            start = max(base, history_window_start(conversation.turns, request.history_turns))
+            window = conversation.transcript[start - base :]
+            transcript = tuple(message for turn in window for message in turn)
+            sizes = tuple(len(turn) for turn in window)
+            return Reservation(
+                reservation_id, conversation.turns, seen, previous, transcript, last_path, start, sizes
+            )
 
     def commit(self, key: ConversationKey, reservation_id: str, record: TurnRecord) -> int:
         """Make a reserved turn durable exactly once and return its turn number (>= 1).
@@ -137,7 +159,7 @@ class InMemorySessionStore:
                 raise ReservationExpiredError(f"reservation {reservation_id!r} timed out before commit")
             if conversation.reservations.pop(reservation_id, None) is None:
                 raise UnknownReservationError(f"unknown reservation {reservation_id!r}")
-            return _apply(conversation, reservation_id, record)
+            return _apply(conversation, reservation_id, record, self._max_turns)
 
     def abort(self, key: ConversationKey, reservation_id: str) -> bool:
         """Release an open reservation; False when it is unknown (idempotent)."""
@@ -157,7 +179,7 @@ class InMemorySessionStore:
                 turns=conversation.turns,
                 seen=dict(conversation.seen),
                 ids=dict(conversation.ids),
-                transcript=tuple(conversation.transcript),
+                transcript=tuple(message for turn in conversation.transcript for message in turn),
                 search_paths=tuple(conversation.search_paths),
                 open_reservations=len(conversation.reservations),
             )
@@ -168,11 +190,12 @@ class InMemorySessionStore:
             self._conversations.pop(key, None)
 
 
-def _apply(conversation: _Conversation, reservation_id: str, record: TurnRecord) -> int:
-    """Append ``record`` as the next turn. Call under the store lock."""
+def _apply(conversation: _Conversation, reservation_id: str, record: TurnRecord, max_turns: int) -> int:
+    """Append ``record`` as the next turn, then trim the oldest turns. Call under the store lock."""
     conversation.turns += 1
     turn = conversation.turns
-    conversation.transcript.extend({"role": m["role"], "content": m["content"]} for m in record.messages)
+    conversation.transcript.append(tuple({"role": m["role"], "content": m["content"]} for m in record.messages))
+    conversation.shown.append(tuple((shown.content_hash, shown.block_id) for shown in record.shown))
     for shown in record.shown:
         conversation.seen[shown.content_hash] = SeenBlock(
             shown.block_id, shown.content_hash, shown.label, turn
@@ -180,7 +203,25 @@ def _apply(conversation: _Conversation, reservation_id: str, record: TurnRecord)
         conversation.ids[shown.block_id] = shown.content_hash
     conversation.search_paths.append(tuple(record.search_path))
     _remember(conversation.committed, reservation_id, turn)
+    _trim(conversation, max(turn - max_turns, min(record.trim_before, turn - 1)))
     return turn
+
+
+def _trim(conversation: _Conversation, upto: int) -> None:
+    """Drop the stored turns numbered up to ``upto`` and the seen / id entries last shown in them."""
+    base = conversation.turns - len(conversation.transcript)
+    drop = upto - base
+    if drop <= 0:
+        return
+    for offset in range(drop):
+        dropped_turn = base + 1 + offset
+        for content_hash, block_id in conversation.shown[offset]:
+            seen = conversation.seen.get(content_hash)
+            if seen is not None and seen.turn == dropped_turn:
+                del conversation.seen[content_hash]
+                if conversation.ids.get(block_id) == content_hash:
+                    del conversation.ids[block_id]
+    del conversation.transcript[:drop], conversation.shown[:drop], conversation.search_paths[:drop]
 
 
 class AsyncInMemorySessionStore:
@@ -192,8 +233,13 @@ class AsyncInMemorySessionStore:
         clock: Clock = time.monotonic,
         *,
         store: InMemorySessionStore | None = None,
+        max_transcript_turns: int = DEFAULT_MAX_TRANSCRIPT_TURNS,
     ) -> None:
-        self.sync = store if store is not None else InMemorySessionStore(ttl_s=ttl_s, clock=clock)
+        self.sync = (
+            store
+            if store is not None
+            else InMemorySessionStore(ttl_s=ttl_s, clock=clock, max_transcript_turns=max_transcript_turns)
+        )
 
     async def reserve(self, key: ConversationKey, request: ReserveRequest) -> Reservation:
         """See :meth:`InMemorySessionStore.reserve`."""

@@ -37,6 +37,7 @@ from cpmemory.errors import (
     UnknownReservationError,
 )
 from cpmemory.stores.base import (
+    DEFAULT_MAX_TRANSCRIPT_TURNS,
     ConversationKey,
     ConversationState,
     Reservation,
@@ -62,6 +63,8 @@ class RedisStoreConfig(BaseModel):
             black-holed host, and must leave room for a burst of new connections on a busy machine).
         retries: redis-py retries of those clients; the direct runner retries a ``ConnectionError`` this many
             times, at least once (a stale pooled socket after a server restart).
+        max_transcript_turns: turns kept per conversation; commit trims older ones in the same script, with the
+            seen entries pointing into them (see cpmemory.stores.base, "Bounded transcript").
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -71,6 +74,7 @@ class RedisStoreConfig(BaseModel):
     socket_timeout_s: float = Field(default=0.2, gt=0)
     connect_timeout_s: float = Field(default=0.5, gt=0)
     retries: int = Field(default=1, ge=0, le=10)
+    max_transcript_turns: int = Field(default=DEFAULT_MAX_TRANSCRIPT_TURNS, ge=1)
 
     @field_validator("prefix")
     @classmethod
@@ -129,6 +133,18 @@ def _decode_path(raw: bytes | str | None) -> tuple[int, ...]:
     return tuple(_json_load(raw)) if raw else ()
 
 
+def _decode_turns(entries: Sequence[Any]) -> tuple[tuple[dict[str, str], ...], tuple[int, ...]]:
+    """Log entries (one JSON array of messages per turn) -> (messages, messages per turn)."""
+    messages: list[dict[str, str]] = []
+    sizes: list[int] = []
+    for raw in entries:
+        turn = _json_load(raw)
+        turn = turn if isinstance(turn, list) else [turn]
+        messages.extend(turn)
+        sizes.append(len(turn))
+    return tuple(messages), tuple(sizes)
+
+
 def _pairs(flat: Sequence[Any]) -> Iterator[tuple[Any, Any]]:
     return zip(flat[0::2], flat[1::2])
 
@@ -145,11 +161,12 @@ class ScriptCall:
 class RedisSessionCodec:
     """Builds script calls and decodes replies; no IO, shared by the sync and async stores."""
 
-    __slots__ = ("_key_names", "keys", "ttl_ms")
+    __slots__ = ("_key_names", "keys", "max_turns", "ttl_ms")
 
     def __init__(self, config: RedisStoreConfig) -> None:
         self.keys = KeyScheme(config.prefix)
         self.ttl_ms = round(config.ttl_s * 1000)
+        self.max_turns = config.max_transcript_turns
         # Two blake2b digests per call add up on the hot path; recent conversations' key names are cached.
         self._key_names = functools.lru_cache(maxsize=4096)(self._names)
 
@@ -165,12 +182,13 @@ class RedisSessionCodec:
         seen_fields = ["s:" + content_hash for _, content_hash in request.blocks]
         id_fields = [b"i:" + encode_text(block_id) for block_id, _ in request.blocks]
         timeout_ms = max(1, round(request.reservation_timeout_s * 1000))
-        head = (self.ttl_ms, reservation_id, timeout_ms, "1" if request.include_transcript else "0", "turns", "path")
+        window = -1 if not request.include_transcript else max(0, request.history_turns or 0)
+        head = (self.ttl_ms, reservation_id, timeout_ms, window, "turns", "path")
         return ScriptCall("reserve", self._key_names(key), (*head, *seen_fields, *id_fields))
 
     def parse_reserve(self, reply: Sequence[Any], request: ReserveRequest, reservation_id: str) -> Reservation:
         """Decode the reserve reply into a Reservation restricted to the request's hashes and ids."""
-        values, transcript_raw = reply
+        values, transcript_raw, start = reply
         count = len(request.blocks)
         seen: dict[str, SeenBlock] = {}
         previous: dict[str, str] = {}
@@ -180,9 +198,9 @@ class RedisSessionCodec:
                 seen[content_hash] = _decode_seen(content_hash, seen_value)
             if previous_hash is not None:
                 previous[block_id] = decode_text(previous_hash)
-        transcript = None
+        transcript, sizes = None, ()
         if request.include_transcript:
-            transcript = tuple(_json_load(raw) for raw in transcript_raw or ())
+            transcript, sizes = _decode_turns(transcript_raw or ())
         return Reservation(
             reservation_id=reservation_id,
             turn=int(values[0] or 0),
@@ -190,15 +208,21 @@ class RedisSessionCodec:
             previous_hash_for_id=previous,
             transcript=transcript,
             last_search_path=_decode_path(values[1]),
+            transcript_start=int(start or 0),
+            turn_sizes=sizes,
         )
 
     def commit_call(self, key: ConversationKey, reservation_id: str, record: TurnRecord) -> ScriptCall:
         """The commit script call making ``record`` durable under ``reservation_id``."""
-        messages = [_json_bytes(dict(message)) for message in record.messages]
+        entry = _json_bytes([dict(message) for message in record.messages])
         shown: list[Any] = []
+        names: list[bytes] = []
         for block in record.shown:
             payload = _encode_seen(block.label, block.block_id)
-            shown.extend(("s:" + block.content_hash, payload, b"i:" + encode_text(block.block_id)))
+            id_field = b"i:" + encode_text(block.block_id)
+            shown.extend(("s:" + block.content_hash, payload, id_field))
+            names.extend((b"s:" + encode_text(block.content_hash), id_field))
+        tail = (b"".join(b"%d:%s" % (len(name), name) for name in names), self.max_turns, max(0, record.trim_before))
         head = (
             self.ttl_ms,
             reservation_id,
@@ -207,7 +231,7 @@ class RedisSessionCodec:
             json.dumps(list(record.search_path), separators=(",", ":")),
         )
         return ScriptCall(
-            "commit", self._key_names(key), (*head, len(messages), *messages, len(record.shown), *shown)
+            "commit", self._key_names(key), (*head, 1, entry, len(record.shown), *shown, *tail)
         )
 
     @staticmethod
@@ -245,7 +269,7 @@ class RedisSessionCodec:
             turns=turns,
             seen=seen,
             ids=ids,
-            transcript=tuple(_json_load(raw) for raw in log),
+            transcript=_decode_turns(log)[0],
             search_paths=tuple(_decode_path(raw) for raw in paths),
             open_reservations=int(open_count),
         )

@@ -17,6 +17,7 @@ import pytest
 
 from cpmemory.testing.local_redis import LocalRedisCluster, redis_binaries_available
 from cpmemory.errors import StoreUnavailableError
+from cpmemory.stores.base import DEFAULT_MAX_TRANSCRIPT_TURNS
 from cpmemory.stores.redis_store import AsyncRedisSessionStore, RedisSessionStore, RedisStoreConfig
 
 RUN_PREFIX = f"cpmtest-{uuid.uuid4().hex[:10]}"
@@ -32,8 +33,8 @@ class Backend:
     """Makes fresh stores of one kind. ``sleep`` lets time pass (a manual clock for the in-memory store)."""
 
     name: str
-    make_sync: Callable[[float], Any]
-    make_async: Callable[[float], Any]
+    make_sync: Callable[..., Any]  # (ttl_s, max_transcript_turns) -> store
+    make_async: Callable[..., Any]
     sleep: Callable[[float], None]
     timing_slack_s: float = 0.0
 
@@ -57,8 +58,12 @@ def _memory_backend() -> Backend:
     clock = ManualClock()
     return Backend(
         "memory",
-        lambda ttl: InMemorySessionStore(ttl_s=ttl, clock=clock),
-        lambda ttl: AsyncInMemorySessionStore(ttl_s=ttl, clock=clock),
+        lambda ttl, turns=DEFAULT_MAX_TRANSCRIPT_TURNS: InMemorySessionStore(
+            ttl_s=ttl, clock=clock, max_transcript_turns=turns
+        ),
+        lambda ttl, turns=DEFAULT_MAX_TRANSCRIPT_TURNS: AsyncInMemorySessionStore(
+            ttl_s=ttl, clock=clock, max_transcript_turns=turns
+        ),
         clock.advance,
     )
 
@@ -68,26 +73,36 @@ def _fakeredis_backend() -> Backend:
     pytest.importorskip("lupa", reason="fakeredis needs lupa for Lua scripts")
     server = fakeredis.FakeServer()
 
-    def config(ttl: float) -> RedisStoreConfig:
-        return RedisStoreConfig(prefix=RUN_PREFIX, ttl_s=ttl)
+    def config(ttl: float, turns: int) -> RedisStoreConfig:
+        return RedisStoreConfig(prefix=RUN_PREFIX, ttl_s=ttl, max_transcript_turns=turns)
 
     return Backend(
         "fakeredis",
-        lambda ttl: RedisSessionStore(fakeredis.FakeRedis(server=server), config(ttl)),
-        lambda ttl: AsyncRedisSessionStore(fakeredis.FakeAsyncRedis(server=server), config(ttl)),
+        lambda ttl, turns=DEFAULT_MAX_TRANSCRIPT_TURNS: RedisSessionStore(
+            fakeredis.FakeRedis(server=server), config(ttl, turns)
+        ),
+        lambda ttl, turns=DEFAULT_MAX_TRANSCRIPT_TURNS: AsyncRedisSessionStore(
+            fakeredis.FakeAsyncRedis(server=server), config(ttl, turns)
+        ),
         time.sleep,
         timing_slack_s=0.1,
     )
 
 
 def _url_backend(name: str, url: str, cluster: bool) -> Backend:
-    def config(ttl: float) -> RedisStoreConfig:
-        return RedisStoreConfig(prefix=RUN_PREFIX, ttl_s=ttl, socket_timeout_s=5.0, connect_timeout_s=2.0)
+    def config(ttl: float, turns: int) -> RedisStoreConfig:
+        return RedisStoreConfig(
+            prefix=RUN_PREFIX, ttl_s=ttl, socket_timeout_s=5.0, connect_timeout_s=2.0, max_transcript_turns=turns
+        )
 
     return Backend(
         name,
-        lambda ttl: RedisSessionStore.from_url(url, config(ttl), cluster=cluster),
-        lambda ttl: AsyncRedisSessionStore.from_url(url, config(ttl), cluster=cluster),
+        lambda ttl, turns=DEFAULT_MAX_TRANSCRIPT_TURNS: RedisSessionStore.from_url(
+            url, config(ttl, turns), cluster=cluster
+        ),
+        lambda ttl, turns=DEFAULT_MAX_TRANSCRIPT_TURNS: AsyncRedisSessionStore.from_url(
+            url, config(ttl, turns), cluster=cluster
+        ),
         time.sleep,
         timing_slack_s=0.1,
     )

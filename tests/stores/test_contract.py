@@ -15,6 +15,7 @@ import pytest
 
 from cpmemory.core.blocks import content_hash, label_for_hash
 from cpmemory.errors import InvalidIdentifierError, ReservationExpiredError, UnknownReservationError
+from cpmemory.stores.base import DEFAULT_MAX_TRANSCRIPT_TURNS
 from cpmemory.types import ConversationKey, ReserveRequest, SeenBlock, TurnRecord
 
 HOSTILE_IDS = [
@@ -68,9 +69,9 @@ def mode(request: pytest.FixtureRequest) -> str:
 def make_store(backend: Any, mode: str) -> Callable[..., Awaiting]:
     """A factory of fresh stores of this backend and mode; a test closes what it makes (``aclose``)."""
 
-    def make(ttl_s: float = 3600.0) -> Awaiting:
+    def make(ttl_s: float = 3600.0, max_transcript_turns: int = DEFAULT_MAX_TRANSCRIPT_TURNS) -> Awaiting:
         factory = backend.make_sync if mode == "sync" else backend.make_async
-        return Awaiting(factory(ttl_s), lambda: factory(ttl_s))
+        return Awaiting(factory(ttl_s, max_transcript_turns), lambda: factory(ttl_s, max_transcript_turns))
 
     return make
 
@@ -323,3 +324,84 @@ async def test_two_clients_share_state(backend: Any, store: Awaiting) -> None:
     assert await other.commit(key, reservation.reservation_id, record(pairs)) == 1
     assert set((await other.reserve(key, ReserveRequest(blocks=pairs))).seen) == {pairs[0][1]}
     await other.aclose()
+
+
+# -- bounded transcript, windowed reads (cpmemory/stores/base.py, "Bounded transcript") -----------------------------
+
+
+def trimmed_record(pairs: tuple[tuple[str, str], ...], text: str, trim_before: int = 0) -> TurnRecord:
+    messages = ({"role": "user", "content": text}, {"role": "assistant", "content": f"answer to {text}"})
+    return TurnRecord(messages=messages, shown=shown(pairs), search_path=(len(text),), trim_before=trim_before)
+
+
+async def commit_trimmed(store: Awaiting, key: ConversationKey, pairs: tuple[tuple[str, str], ...], text: str,
+                         trim_before: int = 0) -> int:
+    reservation = await store.reserve(key, ReserveRequest(blocks=pairs))
+    return await store.commit(key, reservation.reservation_id, trimmed_record(pairs, text, trim_before))
+
+
+async def test_reserve_returns_only_the_turn_window(store: Awaiting) -> None:
+    key = conversation()
+    for turn in range(1, 6):
+        await commit_trimmed(store, key, blocks(f"text {turn}", prefix=f"t{turn}"), f"q{turn}")
+    windowed = await store.reserve(key, ReserveRequest(blocks=(), history_turns=2))
+    assert windowed.transcript_start == 4 and windowed.turn_sizes == (2,)  # window_start(5, 2) == 4
+    assert [m["content"] for m in windowed.transcript] == ["q5", "answer to q5"]
+    everything = await store.reserve(key, ReserveRequest(blocks=()))
+    assert everything.transcript_start == 0 and everything.turn_sizes == (2,) * 5
+    assert [m["content"] for m in everything.transcript][::2] == [f"q{turn}" for turn in range(1, 6)]
+
+
+async def test_cap_trims_oldest_turns_with_their_seen_entries(make_store: Callable[..., Awaiting]) -> None:
+    store = make_store(max_transcript_turns=3)
+    try:
+        key = conversation()
+        shared = blocks("shown in turn 1 and again in turn 4", prefix="shared")
+        for turn in range(1, 6):
+            pairs = blocks(f"only in turn {turn}", prefix=f"t{turn}") + (shared if turn in (1, 4) else ())
+            assert await commit_trimmed(store, key, pairs, f"q{turn}") == turn
+        state = await store.load(key)
+        assert state.turns == 5 and len(state.search_paths) == 3
+        assert [m["content"] for m in state.transcript][::2] == ["q3", "q4", "q5"]
+        kept = {content_hash(f"only in turn {turn}") for turn in (3, 4, 5)} | {shared[0][1]}
+        assert set(state.seen) == kept and state.seen[shared[0][1]].turn == 4
+        assert set(state.ids) == {"t3-0", "t4-0", "t5-0", "shared-0"}
+        request = blocks("only in turn 1", prefix="t1") + blocks("only in turn 3", prefix="t3") + shared
+        reservation = await store.reserve(key, ReserveRequest(blocks=request))
+        assert reservation.transcript_start == 2 and reservation.turn_sizes == (2, 2, 2)
+        assert set(reservation.seen) == {content_hash("only in turn 3"), shared[0][1]}
+        assert dict(reservation.previous_hash_for_id) == {"t3-0": content_hash("only in turn 3"),
+                                                           "shared-0": shared[0][1]}
+    finally:
+        await store.aclose()
+
+
+async def test_trim_before_drops_turns_the_caller_no_longer_needs(store: Awaiting) -> None:
+    key = conversation()
+    for turn in range(1, 4):
+        await commit_trimmed(store, key, blocks(f"turn {turn} text", prefix=f"t{turn}"), f"q{turn}")
+    assert await commit_trimmed(store, key, blocks("turn 4 text", prefix="t4"), "q4", trim_before=3) == 4
+    state = await store.load(key)
+    assert [m["content"] for m in state.transcript] == ["q4", "answer to q4"]
+    assert set(state.seen) == {content_hash("turn 4 text")} and set(state.ids) == {"t4-0"}
+    reservation = await store.reserve(key, ReserveRequest(blocks=blocks("turn 2 text", prefix="t2")))
+    assert reservation.transcript_start == 3 and reservation.seen == {} and reservation.turn == 4
+    # trim_before never drops the turn being committed, and a smaller value later trims nothing more
+    assert await commit_trimmed(store, key, (), "q5", trim_before=99) == 5
+    assert await commit_trimmed(store, key, (), "q6", trim_before=1) == 6
+    assert [m["content"] for m in (await store.load(key)).transcript][::2] == ["q5", "q6"]
+
+
+async def test_double_commit_after_trim_records_nothing_twice(make_store: Callable[..., Awaiting]) -> None:
+    store = make_store(max_transcript_turns=2)
+    try:
+        key = conversation()
+        for turn in range(1, 4):
+            await commit_trimmed(store, key, blocks(f"x{turn}"), f"q{turn}")
+        reservation = await store.reserve(key, ReserveRequest(blocks=()))
+        first = await store.commit(key, reservation.reservation_id, trimmed_record((), "q4"))
+        again = await store.commit(key, reservation.reservation_id, trimmed_record((), "q4"))
+        state = await store.load(key)
+        assert first == again == 4 and [m["content"] for m in state.transcript][::2] == ["q3", "q4"]
+    finally:
+        await store.aclose()

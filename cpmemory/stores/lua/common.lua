@@ -70,3 +70,43 @@ local function hmget_args(key, first, last)
   end
   return values
 end
+
+-- Split "<n>:<n bytes><n>:<n bytes>..." into its strings.
+local function split_prefixed(payload)
+  local out, pos = {}, 1
+  while pos <= #payload do
+    local colon = string.find(payload, ':', pos, true)
+    local size = tonumber(string.sub(payload, pos, colon - 1))
+    out[#out + 1] = string.sub(payload, colon + 1, colon + size)
+    pos = colon + size + 1
+  end
+  return out
+end
+
+-- Drop the stored turns beyond `cap` and up to `trim_before` (never `turn`, the one just appended) from the log and
+-- the paths, with the seen entries last shown in a dropped turn and the ids pointing at them. O(dropped blocks).
+local function trim_turns(turn, cap, trim_before)
+  local base = turn - redis.call('LLEN', KEYS[2])
+  local upto = math.max(turn - cap, math.min(trim_before, turn - 1))
+  if upto <= base then
+    return
+  end
+  for t = base + 1, upto do
+    local shown = redis.call('HGET', KEYS[1], 't:' .. t)
+    if shown then
+      local names = split_prefixed(shown)
+      for i = 1, #names - 1, 2 do
+        local seen = redis.call('HGET', KEYS[1], names[i])
+        if seen and tonumber(string.match(seen, '^(%d+):')) == t then
+          redis.call('HDEL', KEYS[1], names[i])
+          if redis.call('HGET', KEYS[1], names[i + 1]) == string.sub(names[i], 3) then
+            redis.call('HDEL', KEYS[1], names[i + 1])
+          end
+        end
+      end
+      redis.call('HDEL', KEYS[1], 't:' .. t)
+    end
+  end
+  redis.call('LTRIM', KEYS[2], upto - base, -1)
+  redis.call('LTRIM', KEYS[3], upto - base, -1)
+end
