@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import typer
 
-from cpmemory.bench import core_bench, demo, load, replay, store_bench
+from cpmemory.bench import conversation, core_bench, demo, load, replay, store_bench
 from cpmemory.server import command as serve_command
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Context reuse for long-context LLM agents.")
@@ -19,6 +19,9 @@ app.command("serve", help="Start the OpenAI-compatible proxy in front of one or 
 bench_app.command("core", help="Index build / search / reorder / dedup speed and memory.")(core_bench.command)
 bench_app.command("store", help="Session store latency and round trips (memory, Redis, Redis Cluster).")(
     store_bench.command
+)
+bench_app.command("conversation", help="One long conversation under a token budget: latency, prompt size, prefill.")(
+    conversation.command
 )
 bench_app.command("replay", help="Replay a trace or a real workload through every strategy.")(replay.command)
 bench_app.command("load", help="Concurrent conversations through the proxy: overhead, errors, lost blocks.")(

@@ -33,7 +33,6 @@ from cpmemory.session.turns import (
 from cpmemory.session.window import SentHistory, restart_start, sent_history, turn_offsets
 from cpmemory.types import Message, Reservation
 
-
 GIVEN_HISTORY_CHUNKS = 8
 """A caller-given history is cut only where a message starts a new 1/8 of the budget (stable cut points)."""
 

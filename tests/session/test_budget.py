@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import random
 from pathlib import Path
 
@@ -18,7 +19,7 @@ from cpmemory.session.config import CpMemoryConfig
 from cpmemory.session.window import restart_start
 from cpmemory.stores.memory import InMemorySessionStore
 
-WORDS = "alpha beta gamma delta epsilon zeta theta kappa lambda sigma omega river stone cloud".split()
+WORDS = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "theta", "kappa", "lambda", "sigma", "omega", "river", "stone", "cloud"]
 TINY_TOKENIZER = Path("/root/.cache/cpmemory/tiny-model/tokenizer.json")
 
 
@@ -50,7 +51,7 @@ def test_every_prompt_fits_and_the_window_restarts_prefix_stably() -> None:
     sizes = [budget_tokens(turn.messages) for turn in turns]
     assert max(sizes) <= 2500 and all(turn.prompt_tokens == size for turn, size in zip(turns, sizes))
     restarts = 0
-    for before, after in zip(turns, turns[1:]):
+    for before, after in itertools.pairwise(turns):
         extended = before.messages[:-1] + [before.messages[-1]]
         if after.messages[: len(extended)] == extended:
             continue  # same window: the previous prompt is a prefix of this one
@@ -90,7 +91,7 @@ def test_property_prompts_fit_and_nothing_is_lost(budget: int, seed: int, window
 
 
 def test_caller_counter_and_per_call_budget() -> None:
-    words = lambda text: len(text.split())  # noqa: E731 - any Callable[[str], int]
+    words = lambda text: len(text.split())
     mem = CpMemory(config=CpMemoryConfig(max_prompt_tokens=100_000, token_counter=words, message_overhead_tokens=0))
     rng = random.Random(5)
     for turn in range(30):
