@@ -226,6 +226,21 @@ class _FacadeCore:
             request_ids.append(self._insert_planned(tenant, blocks, ids))
         return BatchPlan(order=order, contexts=id_lists, request_ids=request_ids)
 
+    def release_order(self, requests: Sequence[Iterable[BlockLike]], *, tenant: str = "default") -> list[int]:
+        """The order in which to run waiting requests (the hold-and-release queue). Records nothing.
+
+        Args:
+            requests: the waiting requests' blocks, in arrival order.
+            tenant: the tenant whose index decides.
+
+        Returns:
+            A permutation of ``range(len(requests))``.
+        """
+        if isinstance(requests, (str, bytes, Mapping)):
+            raise InvalidInputError("requests must be a list of block lists")
+        ConversationKey(tenant, "batch")
+        return list(range(len(requests)))
+
     def _insert_planned(self, tenant: str, blocks: Sequence[Any], ids: Sequence[str]) -> str:
         if not ids:
             return ""

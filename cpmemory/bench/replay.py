@@ -19,7 +19,7 @@ import sys
 import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -168,6 +168,22 @@ class FacadePromptBuilder:
         return {"messages": turn.messages, "dedup_saved": max(0, saved), "annotation": added}
 
 
+    def build_online(self, request: TraceRequest, prepared: PreparedRequest) -> dict[str, Any]:
+        """Like :meth:`build` with no ``prompt_order``: the facade's online ordering decides (the integrations' path)."""
+        conversation = request.session if self.multi_turn else f"{request.session}#{self._count}"
+        self._count += 1
+        turn = self.memory.prepare(conversation, request.query, prepared.blocks)
+        self.memory.commit(turn, answer_of(request))
+        user = turn.messages[-1]["content"]
+        position = {block.id: i for i, block in enumerate(prepared.blocks)}
+        order = [position[block_id] for block_id in turn.prompt_order]
+        order += [i for i in range(len(prepared.blocks)) if i not in set(order)]
+        plain = plain_user_message(prepared.blocks, order, request.query)
+        added = annotation_tokens(user)
+        saved = (count_message_tokens(plain) - annotation_tokens(plain)) - (count_message_tokens(user) - added)
+        return {"messages": turn.messages, "dedup_saved": max(0, saved), "annotation": added}
+
+
 # ---------------------------------------------------------------- results
 
 @dataclass(slots=True)
@@ -228,6 +244,7 @@ class ReplayReport:
     mst_bound_hit_rate: float
     dedup_bound_tokens: int
     skipped_lines: list[str] = field(default_factory=list)
+    online: Any = None  # cpmemory.bench.online.OnlineReport when run with --online
 
     def to_json(self) -> dict[str, Any]:
         """The ``--json`` object (keys as issue 6 specifies, plus a few extras)."""
@@ -244,6 +261,7 @@ class ReplayReport:
             "multi_turn": self.multi_turn,
             "unavailable": self.unavailable,
             "skipped_lines": self.skipped_lines,
+            **({"online": self.online.to_json()} if self.online is not None else {}),
         }
 
 
@@ -382,11 +400,19 @@ def run_strategy(name: str, plan: StrategyPlan, trace: Trace, prepared: Sequence
 
 
 def run_replay(trace: Trace, settings: ReplaySettings = ReplaySettings(),
-               progress: Progress | None = None) -> ReplayReport:
+               progress: Progress | None = None, online_window: int | None = None) -> ReplayReport:
     """Replay ``trace`` through every strategy of ``settings`` on the same cache. Deterministic apart from timings.
 
-    A strategy whose optional dependency is missing is reported under ``unavailable``.
+    A strategy whose optional dependency is missing is reported under ``unavailable``. With ``online_window``,
+    the online strategies (:mod:`cpmemory.bench.online`) run too, on the same capacity (``report.online``); the
+    offline ``original`` and ``cpmemory`` then always run (the gain share needs them).
     """
+    if online_window is not None:
+        from cpmemory.bench.online import check_window
+
+        check_window(online_window)
+        missing = tuple(name for name in ("original", "cpmemory") if name not in settings.strategies)
+        settings = replace(settings, strategies=tuple(settings.strategies) + missing)
     from cpmemory.bench.tokenizer import count_tokens
 
     unknown = set(settings.strategies) - set(STRATEGIES)
@@ -408,7 +434,14 @@ def run_replay(trace: Trace, settings: ReplaySettings = ReplaySettings(),
                 progress(len(trace.requests))
             continue
         results[name] = run_strategy(name, plan, trace, prepared, settings, capacity, progress)
+    online = None
+    if online_window is not None:
+        from cpmemory.bench.online import run_online
+
+        online = run_online(trace, prepared, _system_prompt(settings), capacity, settings.mode, settings.page_size,
+                            online_window, results, progress=progress)
     return ReplayReport(
+        online=online,
         workload=trace.name, requests=len(trace.requests), capacity_tokens=capacity, unique_tokens=unique,
         mode=settings.mode, multi_turn=trace.multi_turn, results=results, unavailable=unavailable,
         oracle_hit_rate=bounds.oracle_hit_rate(contents), mst_bound_hit_rate=bounds.mst_bound_hit_rate(contents),
@@ -458,6 +491,8 @@ def command(
     multi_turn: bool | None = typer.Option(None, "--multi-turn/--independent", help="Override the trace's flag."),
     model: str = typer.Option("tiny", "--model", help="Served model name (with --engine URL)."),
     json_output: bool = typer.Option(False, "--json", help="Print one JSON object on stdout."),
+    online: bool = typer.Option(False, "--online", help="Also replay the online strategies (requests as they arrive)."),
+    window: int = typer.Option(1, "--window", help="Online: how many waiting requests are ordered together (>= 1)."),
 ) -> None:
     """Replay a trace or a real workload through every strategy on the same cache; print a table or JSON."""
     from rich.markup import escape
@@ -468,12 +503,18 @@ def command(
     try:
         trace = _load_trace(trace_file, workload, data_dir, skip_bad, multi_turn)
         names = tuple(s.strip() for s in strategies.split(",")) if strategies else STRATEGIES
+        if online:
+            from cpmemory.bench.online import ONLINE_STRATEGIES, check_window
+
+            check_window(window)
+            names += tuple(name for name in ("original", "cpmemory") if name not in names)
         settings = ReplaySettings(capacity=capacity, mode=mode, page_size=page_size, strategies=names,
                                   keep_prompts=engine != "sim")
         for error in trace.skipped:
             err.print(f"[yellow]skipped[/] {escape(str(error))}", soft_wrap=True)
-        with report_module.progress_bar(len(trace.requests) * len(names), f"replay {trace.name}") as advance:
-            result = run_replay(trace, settings, advance)
+        total = len(trace.requests) * (len(names) + (len(ONLINE_STRATEGIES) if online else 0))
+        with report_module.progress_bar(total, f"replay {trace.name}") as advance:
+            result = run_replay(trace, settings, advance, online_window=window if online else None)
         if engine != "sim":
             replay_on_engine(result, engine, model=model)
     except (CpMemoryError, ImportError) as exc:
@@ -481,6 +522,8 @@ def command(
         raise typer.Exit(code=2) from exc
     if plot is not None:
         report_module.plot_replay(result, plot)
+        if result.online is not None:
+            report_module.plot_online(result, plot.with_name(f"{plot.stem}-online{plot.suffix}"))
     if json_output:
         sys.stdout.write(report_module.json_line(result.to_json()) + "\n")
     else:

@@ -61,10 +61,47 @@ def replay_table(report: ReplayReport) -> Table:
     return table
 
 
+def online_table(report: ReplayReport) -> Table:
+    """The online strategies of a replay (``--online``): hit rate, prefill, gain share, overhead, violations."""
+    online = report.online
+    table = Table(title=f"{report.workload} online, window {online.window}: offline cpmemory "
+                        f"{_pct(online.offline_cpmemory)}, cache {report.capacity_tokens:,} tokens")
+    for header in ("online strategy", "hit rate", "prefilled", "gain share", "dedup saved", "overhead p50 ms",
+                   "p99 ms", "no-loss violations"):
+        table.add_column(header, justify="left" if header == "online strategy" else "right")
+    summaries = online.to_json()["strategies"]
+    for name, s in sorted(summaries.items(), key=lambda item: -item[1]["hit_rate"]):
+        table.add_row(name, _pct(s["hit_rate"]), f"{s['prefill_tokens']:,}", f"{s['gain_share']:.2f}",
+                      f"{s['dedup_tokens_saved']:,}", f"{s['overhead_p50_ms']:.3f}", f"{s['overhead_p99_ms']:.3f}",
+                      str(s["no_loss_violations"]), style="bold" if name == "cpmemory" else None)
+    table.caption = "gain share = (hit - online original) / (offline cpmemory - original), same run"
+    return table
+
+
+def plot_online(report: ReplayReport, path: Path) -> None:
+    """Write a PNG of the online strategies' hit rate over the run (offline cpmemory's total dashed)."""
+    plt = _pyplot()
+    figure, axis = plt.subplots(figsize=(8, 4.8))
+    for name, result in report.online.results.items():
+        x, y = windowed_hit_rate(result.cached_per_request, result.prompt_per_request)
+        axis.plot(x, 100 * y, label=f"online {name}", linewidth=2.4 if name == "cpmemory" else 1.2)
+    axis.axhline(100 * report.online.offline_cpmemory, color="black", linestyle="--", linewidth=1,
+                 label="offline cpmemory (total)")
+    axis.set(xlabel="requests executed", ylabel="hit rate per window (%)",
+             title=f"{report.workload} online (window {report.online.window}), cache {report.capacity_tokens:,} tokens")
+    axis.legend(fontsize=8)
+    figure.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
 def print_replay(report: ReplayReport, console: Console | None = None) -> None:
     """Print the replay table (and real-engine figures, unavailable strategies) on stdout."""
     console = console or Console(width=150)
     console.print(replay_table(report))
+    if report.online is not None:
+        console.print(online_table(report))
     for name, result in report.results.items():
         if result.real:
             console.print(f"{name} on the engine: " + ", ".join(f"{k} {v}" for k, v in result.real.items()))

@@ -156,6 +156,23 @@ class _RadixCache:
         limit = len(tokens) - 1
         return min(matched, limit - limit % self.page) if limit > 0 else 0
 
+    def peek(self, tokens: np.ndarray) -> int:
+        """The cached tokens ``run`` would report now, without changing anything. Pure; O(tokens)."""
+        aligned = len(tokens) - len(tokens) % self.page
+        node, position = self.root, 0
+        while position < aligned:
+            child = node.children.get(self._child_key(tokens, position))
+            if child is None:
+                break
+            common = _common_length(child.key, tokens[:aligned], position)
+            common -= common % self.page
+            position += common
+            if common < len(child.key):
+                break
+            node = child
+        limit = len(tokens) - 1
+        return min(position, limit - limit % self.page) if limit > 0 else 0
+
     def _evict(self) -> None:
         """Pop least-recently-used leaves until the tree holds at most ``capacity`` tokens."""
         while self.used > self.capacity and self.heap:
@@ -235,6 +252,15 @@ class _VllmCache:
         self.cached[block_hash] = None
         return True
 
+    def peek(self, tokens: np.ndarray) -> int:
+        """The cached tokens ``run`` would report now, without changing anything. Pure; O(tokens)."""
+        hashes = self._hashes(tokens)
+        limit = min(len(hashes), (len(tokens) - 1) // self.block_size)
+        hits = 0
+        while hits < limit and hashes[hits] in self.cached:
+            hits += 1
+        return hits * self.block_size
+
     def run(self, tokens: np.ndarray) -> int:
         """Match then cache one request's full blocks; return its cached tokens."""
         hashes = self._hashes(tokens)
@@ -309,6 +335,11 @@ class PrefixCacheSimulator:
         self._cached_tokens += cached
         self._peak = max(self._peak, self._cache.used)
         return cached
+
+    def peek(self, tokens: Sequence[int] | np.ndarray) -> int:
+        """How many leading tokens of ``tokens`` are cached now (what the engine's longest-prefix-match scheduler
+        sees). Pure: no insert, no LRU update, no counter."""
+        return self._cache.peek(np.asarray(tokens, dtype=np.int64))
 
     @property
     def used_tokens(self) -> int:

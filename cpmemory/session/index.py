@@ -1,7 +1,10 @@
 """Per-tenant context indexes.
 
-The facade keeps one ``cpmemory.core.index.ContextIndex`` per tenant (a tenant never sees another tenant's
-prefixes), each bounded by ``max_leaves`` (the index evicts its least recently used leaf).
+The facade keeps, per tenant (a tenant never sees another tenant's prefixes), one
+``cpmemory.core.index.ContextIndex`` (the paper's tree: search paths, leaves tied to request ids, bounded by
+``max_leaves``, least recently used leaf evicted first) and one ``cpmemory.core.online.OnlineOrderer`` (the trie of
+the orders sent and the retrieval frequencies, which decides the order of a request prepared without
+``prompt_order``). An eviction reaches both.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
 
 from cpmemory.core.index import ContextIndex
+from cpmemory.core.online import OnlineOrderer
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,6 +40,42 @@ class TenantIndexes:
         self._max_leaves = max_leaves
         self._lock = threading.Lock()
         self._indexes: dict[str, ContextIndex] = {}
+        self._orderers: dict[str, OnlineOrderer] = {}
+
+    def _orderer(self, tenant: str) -> OnlineOrderer:
+        orderer = self._orderers.get(tenant)
+        if orderer is None:
+            orderer = self._orderers[tenant] = OnlineOrderer(max_requests=self._max_leaves)
+        return orderer
+
+    def order(self, tenant: str, context: Sequence[Hashable], sizes: Sequence[float]) -> list[Hashable]:
+        """The online order of ``context`` (distinct keys) without recording anything (the request counts in the
+        retrieval frequencies only). O(k log k)."""
+        if not context:
+            return []
+        with self._lock:
+            orderer = self._orderer(tenant)
+            orderer.observe(context)
+            return orderer.order(context, sizes)
+
+    def order_and_place(
+        self, tenant: str, context: Sequence[Hashable], sizes: Sequence[float], request_id: str
+    ) -> Placement:
+        """Order ``context`` online, record the order sent and index it as ``request_id`` (mutates).
+
+        The placement's prefix is the whole order. O(k log k) for the order plus the index insert.
+        """
+        if not context:
+            return Placement()
+        with self._lock:
+            orderer = self._orderer(tenant)
+            orderer.observe(context)
+            ordered = orderer.order(context, sizes)
+            orderer.record(ordered, request_id)
+            result = self._index(tenant).insert(ordered, request_id)
+            for evicted in result.evicted:
+                orderer.evict(evicted)
+        return Placement(tuple(ordered), tuple(result.path), tuple(result.evicted))
 
     def _index(self, tenant: str) -> ContextIndex:
         index = self._indexes.get(tenant)
@@ -44,14 +84,20 @@ class TenantIndexes:
         return index
 
     def place(self, tenant: str, context: Sequence[Hashable], request_id: str) -> Placement:
-        """Insert ``context`` (distinct keys, relevance order) as request ``request_id`` (mutates).
+        """Insert ``context`` (distinct keys, in the order sent) as request ``request_id`` (mutates).
 
-        One tree descent: the insert reports the prefix the request should start with. O(height * |context|).
+        The online orderer records the order too (later requests can match it). One tree descent: the insert
+        reports the prefix shared with the tree. O(height * |context|).
         """
         if not context:
             return Placement()
         with self._lock:
+            orderer = self._orderer(tenant)
+            orderer.observe(context)
+            orderer.record(context, request_id)
             result = self._index(tenant).insert(list(context), request_id)
+            for evicted in result.evicted:
+                orderer.evict(evicted)
         return Placement(tuple(result.prefix), tuple(result.path), tuple(result.evicted))
 
     def evict(self, tenant: str, request_ids: Iterable[str]) -> int:
@@ -60,15 +106,23 @@ class TenantIndexes:
             index = self._indexes.get(tenant)
             if index is None:
                 return 0
-            return sum(bool(index.evict(request_id)) for request_id in request_ids)
+            orderer = self._orderers.get(tenant)
+            removed = 0
+            for request_id in request_ids:
+                if orderer is not None:
+                    orderer.evict(request_id)
+                removed += bool(index.evict(request_id))
+            return removed
 
     def reset(self, tenant: str | None = None) -> None:
         """Drop one tenant's index, or every index when ``tenant`` is None."""
         with self._lock:
             if tenant is None:
                 self._indexes.clear()
+                self._orderers.clear()
             else:
                 self._indexes.pop(tenant, None)
+                self._orderers.pop(tenant, None)
 
     def size(self, tenant: str) -> int:
         """Number of requests in ``tenant``'s index."""
@@ -82,3 +136,6 @@ class TenantIndexes:
             index = self._indexes.get(tenant)
             if index is not None:
                 index.check_integrity()
+            orderer = self._orderers.get(tenant)
+            if orderer is not None:
+                orderer.check_integrity()

@@ -348,7 +348,8 @@ def plan_turn(
         order = arrange(turn_input, shown, ())
         placement = indexes.place(tenant, _context(turn_input, order), request_id)
     else:
-        placement = indexes.place(tenant, _context(turn_input, shown), request_id)
+        context = _context(turn_input, shown)
+        placement = indexes.order_and_place(tenant, context, _sizes(turn_input, shown, context), request_id)
         order = arrange(turn_input, shown, placement.prefix)
     text, positions, annotated = render_user_message(turn_input, decisions, order, config, labels)
     return PreparedTurn(
@@ -373,6 +374,12 @@ def plan_turn(
 def _context(turn_input: TurnInput, indices: Sequence[int]) -> list[str]:
     """Distinct content hashes of the given blocks, in the given order (the index's keys)."""
     return list(dict.fromkeys(turn_input.digests[i] for i in indices))
+
+
+def _sizes(turn_input: TurnInput, shown: Sequence[int], context: Sequence[str]) -> list[float]:
+    """Characters of each content key of ``context`` (what the online order weighs blocks by)."""
+    length = {turn_input.digests[i]: len(turn_input.blocks[i].text) + 1 for i in shown}
+    return [float(length[key]) for key in context]
 
 
 def _block_decisions(

@@ -275,9 +275,9 @@ def test_counters_track_savings() -> None:
 
 def test_cross_conversation_requests_share_a_prompt_prefix() -> None:
     mem = CpMemory()
-    first = mem.prepare("alice", "q", blocks(2, 1, 3))
-    second = mem.prepare("bob", "q", blocks(2, 6, 1))
-    assert second.prompt_order[:2] == first.prompt_order[:2] and set(second.prompt_order[:2]) == {"1", "2"}
+    first = mem.prepare("alice", "q", blocks(2, 1))
+    second = mem.prepare("bob", "q", blocks(2, 6, 1))  # holds every block of the first: starts with its order
+    assert second.prompt_order[:2] == first.prompt_order and set(second.prompt_order[:2]) == {"1", "2"}
     shared = first.messages[-1]["content"].split("\n\n")[:2]
     assert second.messages[-1]["content"].split("\n\n")[:2] == shared
     assert second.order_annotated and check_no_loss(blocks(2, 6, 1), second.messages).ok

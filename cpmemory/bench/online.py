@@ -1,0 +1,304 @@
+"""``cpmemory bench replay --online``: requests ordered as they arrive, the path every integration takes.
+
+Requests come in trace order (or by ``arrival``). ``window`` W bounds how many may wait and be ordered together:
+
+* without ``arrival`` times, the trace is cut into consecutive windows of W requests (W=1: pure online);
+* with ``arrival`` times, a window is what arrived while the engine was busy with the previous one (at least the
+  next arrival), bounded by W; the engine is busy ``prefill tokens / PREFILL_TOKENS_PER_S`` per request.
+
+Each online strategy decides, for every window, the execution order and each request's block order, knowing only
+what arrived so far; the prompts run through a fresh ``PrefixCacheSimulator`` (the offline replay's capacity):
+
+* ``original``: relevance order, first come first served;
+* ``original+lpm``: relevance order; the engine's longest-prefix-match over the window (exact: it asks the cache);
+* ``popularity``: blocks by how often they were retrieved so far, FCFS;
+* ``trie``: a trie of the block orders sent; a request descends from the root into the child whose block it holds
+  that most requests went through; its other blocks follow by frequency so far (the issue's simple rule);
+* ``cpmemory``: the product. W=1: ``CpMemory.prepare`` (no ``prompt_order``) then ``commit``, exactly as the
+  integrations call it; W>1: ``CpMemory.release_order`` (the proxy's hold-and-release order) first.
+
+``gain_share`` = (hit rate - online ``original``) / (offline ``cpmemory`` - ``original``), same run.
+"""
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Hashable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from cpmemory.bench.replay import (
+    FacadePromptBuilder,
+    PlainPromptBuilder,
+    PreparedRequest,
+    StrategyResult,
+    chat_tokens,
+)
+from cpmemory.bench.strategies import keep_turn_order
+from cpmemory.bench.trace import Trace
+from cpmemory.errors import InvalidInputError
+
+ONLINE_STRATEGIES = ("original", "original+lpm", "popularity", "trie", "cpmemory")
+PREFILL_TOKENS_PER_S = 20_000.0
+
+
+def check_window(window: int) -> int:
+    """Return ``window`` or raise InvalidInputError naming ``--window``."""
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise InvalidInputError(f"--window must be an integer >= 1, got {window!r}")
+    return window
+
+
+# ---------------------------------------------------------------- windows
+
+class Windows:
+    """The windows of requests a strategy sees (see the module docstring). Mutated by :meth:`next_window`."""
+
+    def __init__(self, trace: Trace, window: int) -> None:
+        """Cut ``trace`` into windows of at most ``window`` requests."""
+        self.window = check_window(window)
+        self.arrivals = [request.arrival for request in trace.requests]
+        self.timed = bool(self.arrivals) and all(a is not None for a in self.arrivals)
+        self.sessions = trace.sessions
+        self.next_index = 0
+        self.free_at = 0.0
+
+    def __iter__(self) -> Iterator[list[int]]:
+        """Yield windows until every request was handed out (call :meth:`busy` as requests run)."""
+        total = len(self.arrivals)
+        while self.next_index < total:
+            start = self.next_index
+            end = min(total, start + self.window)
+            if self.timed:
+                self.free_at = max(self.free_at, self.arrivals[start])  # type: ignore[arg-type]
+                stop = start + 1
+                while stop < end and self.arrivals[stop] <= self.free_at:  # type: ignore[operator]
+                    stop += 1
+                end = stop
+            self.next_index = end
+            yield list(range(start, end))
+
+    def busy(self, prefill_tokens: int) -> None:
+        """The engine ran a request that prefilled ``prefill_tokens`` (advances the clock of timed traces)."""
+        self.free_at += prefill_tokens / PREFILL_TOKENS_PER_S
+
+
+# ---------------------------------------------------------------- strategies
+
+class OnlineStrategy(Protocol):
+    """An online strategy: it sees one window at a time and remembers what it did."""
+
+    def schedule(self, window: Sequence[int]) -> list[int]:
+        """Execution order of the waiting requests (a permutation of ``window``)."""
+        ...
+
+    def build(self, index: int) -> dict[str, Any]:
+        """Decide request ``index``'s prompt now (it runs next); return the replay builder's dict."""
+        ...
+
+
+@dataclass(slots=True)
+class _Context:
+    trace: Trace
+    prepared: Sequence[PreparedRequest]
+    system_prompt: str
+    simulator: Any = None
+
+
+class _Plain:
+    """Shared part of the baselines: FCFS, plain prompts, a block order decided by :meth:`order`."""
+
+    def __init__(self, context: _Context) -> None:
+        self.context = context
+        self.builder = PlainPromptBuilder(context.system_prompt, context.trace.multi_turn)
+        self.decision_ms = 0.0
+
+    def schedule(self, window: Sequence[int]) -> list[int]:
+        return list(window)
+
+    def order(self, index: int) -> list[Hashable]:
+        return list(self.context.prepared[index].keys)
+
+    def build(self, index: int) -> dict[str, Any]:
+        started = time.perf_counter()
+        keys = self.order(index)
+        self.decision_ms = (time.perf_counter() - started) * 1000.0
+        return self.builder.build(self.context.trace.requests[index], self.context.prepared[index], keys)
+
+
+class _LongestPrefix(_Plain):
+    """Relevance order; the engine runs the waiting request with the longest cached prefix first."""
+
+    def schedule(self, window: Sequence[int]) -> list[int]:
+        if len(window) == 1:
+            return list(window)
+        trace, prepared = self.context.trace, self.context.prepared
+        probe = PlainPromptBuilder(self.context.system_prompt, False)  # the history is the same for every order
+        tokens = {i: chat_tokens(probe.build(trace.requests[i], prepared[i], prepared[i].keys)["messages"])
+                  for i in window}
+        simulator = self.context.simulator
+        # The scheduler picks once per window from the cache as it is (SGLang sorts its waiting queue per batch).
+        ranked = sorted(window, key=lambda i: (-simulator.peek(tokens[i]), i))
+        return keep_turn_order(ranked, [trace.sessions[i] for i in ranked]) if trace.multi_turn else ranked
+
+
+class _Popularity(_Plain):
+    """Blocks by retrieval frequency so far (the window's requests have arrived, so they count)."""
+
+    def __init__(self, context: _Context) -> None:
+        super().__init__(context)
+        self.frequency: Counter[Hashable] = Counter()
+        self.first_seen: dict[Hashable, int] = {}
+
+    def schedule(self, window: Sequence[int]) -> list[int]:
+        for index in window:
+            for key in self.context.prepared[index].keys:
+                self.frequency[key] += 1
+                self.first_seen.setdefault(key, len(self.first_seen))
+        return list(window)
+
+    def order(self, index: int) -> list[Hashable]:
+        frequency, first = self.frequency, self.first_seen
+        return sorted(self.context.prepared[index].keys, key=lambda key: (-frequency[key], first[key]))
+
+
+class _Trie(_Popularity):
+    """The issue's simple rule: descend the trie of sent orders by the most travelled child the request holds."""
+
+    def __init__(self, context: _Context) -> None:
+        super().__init__(context)
+        self.root: dict[Hashable, list[Any]] = {}  # key -> [count, children]
+
+    def order(self, index: int) -> list[Hashable]:
+        keys = set(self.context.prepared[index].keys)
+        node, path = self.root, []
+        while True:
+            best = max(((entry[0], key) for key, entry in node.items() if key in keys and key not in path),
+                       default=None, key=lambda item: item[0])
+            if best is None:
+                break
+            path.append(best[1])
+            node = node[best[1]][1]
+        placed = set(path)
+        rest = [key for key in super().order(index) if key not in placed]
+        node = self.root
+        for key in path + rest:
+            entry = node.setdefault(key, [0, {}])
+            entry[0] += 1
+            node = entry[1]
+        return path + rest
+
+
+class _Facade:
+    """The product: ``release_order`` for a window, then ``prepare`` (no prompt_order) and ``commit`` per request."""
+
+    def __init__(self, context: _Context) -> None:
+        self.context = context
+        self.builder = FacadePromptBuilder(context.system_prompt, context.trace.multi_turn)
+        self.decision_ms = 0.0
+
+    def schedule(self, window: Sequence[int]) -> list[int]:
+        if len(window) == 1:
+            return list(window)
+        prepared = self.context.prepared
+        order = self.builder.memory.release_order([list(prepared[i].blocks) for i in window])
+        ranked = [window[position] for position in order]
+        trace = self.context.trace
+        return keep_turn_order(ranked, [trace.sessions[i] for i in ranked]) if trace.multi_turn else ranked
+
+    def build(self, index: int) -> dict[str, Any]:
+        started = time.perf_counter()
+        built = self.builder.build_online(self.context.trace.requests[index], self.context.prepared[index])
+        self.decision_ms = (time.perf_counter() - started) * 1000.0
+        return built
+
+
+ONLINE_FACTORIES = {
+    "original": _Plain,
+    "original+lpm": _LongestPrefix,
+    "popularity": _Popularity,
+    "trie": _Trie,
+    "cpmemory": _Facade,
+}
+
+
+# ---------------------------------------------------------------- the run
+
+@dataclass(slots=True)
+class OnlineReport:
+    """What the online replay measured (one window size, every online strategy)."""
+
+    window: int
+    results: dict[str, StrategyResult]
+    offline_cpmemory: float
+    offline_original: float
+    gain_shares: dict[str, float] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        """The ``"online"`` object of the replay JSON."""
+        out: dict[str, Any] = {}
+        for name, result in self.results.items():
+            summary = result.summary()
+            summary["gain_share"] = round(self.gain_shares.get(name, 0.0), 4)
+            out[name] = summary
+        return {"window": self.window, "offline_cpmemory_hit_rate": round(self.offline_cpmemory, 6),
+                "strategies": out}
+
+
+def run_online_strategy(name: str, trace: Trace, prepared: Sequence[PreparedRequest], system_prompt: str,
+                        simulator: Any, window: int, progress: Any = None) -> StrategyResult:
+    """Replay ``trace`` through one online strategy on ``simulator`` (fresh, mutated)."""
+    from cpmemory.core.invariants import check_no_loss
+
+    context = _Context(trace, prepared, system_prompt, simulator)
+    strategy = ONLINE_FACTORIES[name](context)
+    result = StrategyResult(name)
+    windows = Windows(trace, window)
+    for waiting in windows:
+        started = time.perf_counter()
+        order = strategy.schedule(waiting)
+        schedule_ms = (time.perf_counter() - started) * 1000.0 / len(waiting)
+        for index in order:
+            built = strategy.build(index)
+            result.overhead_ms.append(strategy.decision_ms + schedule_ms)
+            report = check_no_loss(list(prepared[index].blocks), built["messages"])
+            result.violations.extend(f"request {index}: {v}" for v in report.violations)
+            tokens = chat_tokens(built["messages"])
+            cached = simulator.run(tokens)
+            windows.busy(len(tokens) - cached)
+            result.prompt_tokens += len(tokens)
+            result.cached_tokens += cached
+            result.dedup_tokens_saved += built["dedup_saved"]
+            result.annotation_tokens += built["annotation"]
+            result.cached_per_request.append(cached)
+            result.prompt_per_request.append(len(tokens))
+            if progress is not None:
+                progress(1)
+    return result
+
+
+def gain_share(hit_rate: float, original: float, offline: float) -> float:
+    """(hit - original) / (offline - original); 0 when the offline planner gains nothing."""
+    span = offline - original
+    return (hit_rate - original) / span if span > 1e-12 else 0.0
+
+
+def run_online(trace: Trace, prepared: Sequence[PreparedRequest], system_prompt: str, capacity: int, mode: str,
+               page_size: int | None, window: int, offline: dict[str, StrategyResult],
+               strategies: Sequence[str] = ONLINE_STRATEGIES, progress: Any = None) -> OnlineReport:
+    """Run every online strategy on its own fresh cache; gain shares against ``offline['cpmemory']``."""
+    from cpmemory.engines.simulator import PrefixCacheSimulator
+
+    check_window(window)
+    unknown = set(strategies) - set(ONLINE_STRATEGIES)
+    if unknown:
+        raise InvalidInputError(f"unknown online strategies {sorted(unknown)}; choose from {', '.join(ONLINE_STRATEGIES)}")
+    results = {}
+    for name in strategies:
+        simulator = PrefixCacheSimulator(capacity, mode=mode, page_size=page_size)  # type: ignore[arg-type]
+        results[name] = run_online_strategy(name, trace, prepared, system_prompt, simulator, window, progress)
+    offline_hit = offline["cpmemory"].hit_rate
+    original = results["original"].hit_rate if "original" in results else offline["original"].hit_rate
+    report = OnlineReport(window, results, offline_hit, original)
+    report.gain_shares = {name: gain_share(r.hit_rate, original, offline_hit) for name, r in results.items()}
+    return report

@@ -1,0 +1,201 @@
+"""The online orderer: how a request's blocks are ordered when it arrives, one at a time (no batch, no future).
+
+It keeps a trie of the block orders already sent (a block-level mirror of the engine's prefix cache: an order sent
+is cached as a path from the root) and how often each block was retrieved so far. A request's order is:
+
+1. **Match**: the path of the trie, restricted to the request's blocks, that maximises the weighted tokens it
+   would find cached: each block on it counts its size times a recency weight ``1 / (1 + age / RECENCY_SCALE)``
+   (``age`` = requests sent since the trie node was last used). A long path used recently is likely still cached;
+   an old one was likely evicted. Taking the deepest such path (not the most travelled child at each step) reuses
+   more of what the cache holds; the recency weight keeps a tight cache from being chased into evicted branches.
+2. **Extend**: the blocks left follow by ``size * p / (1 - p)`` descending, ``p`` the block's retrieval frequency
+   so far (ties: first seen first). For requests drawing blocks independently with probabilities ``p``, this is
+   the order that maximises the tokens a future request shares with this one (exchange argument on adjacent
+   blocks: ``a`` before ``b`` iff ``t_a p_a (1 - p_b) > t_b p_b (1 - p_a)``), so popular blocks form a
+   consistent prefix that later requests can match.
+
+The chosen order is then recorded (:meth:`OnlineOrderer.record`) along the trie with the request id, so an
+eviction reported by the engine (:meth:`OnlineOrderer.evict`) takes the request's weight off its path, and nodes
+no request holds any more are removed. Bounded: at most ``max_requests`` recorded requests (the oldest is
+forgotten first) and ``max_blocks`` frequency entries (counts are halved when full).
+
+Cost per request: the match visits at most ``MATCH_BUDGET`` trie nodes with one dict lookup per block of the
+request at each (``O(k * visited)``, independent of the number of requests indexed), the extension sorts ``k``
+blocks, and recording walks ``k`` nodes: ``O(k log k)`` with the bounded search.
+
+Not thread-safe: the facade serialises access (one orderer per tenant, behind the tenant indexes' lock).
+"""
+
+from __future__ import annotations
+
+from collections import Counter, OrderedDict
+from collections.abc import Hashable, Sequence
+
+from cpmemory.errors import InvalidInputError
+
+RECENCY_SCALE = 50.0
+MATCH_BUDGET = 256
+
+
+class _TrieNode:
+    """One block of a sent order. ``count``: recorded requests through it; ``last``: clock of its last use."""
+
+    __slots__ = ("children", "count", "key", "last", "parent")
+
+    def __init__(self, key: Hashable, parent: _TrieNode | None) -> None:
+        self.key = key
+        self.parent = parent
+        self.children: dict[Hashable, _TrieNode] = {}
+        self.count = 0
+        self.last = 0
+
+
+class OnlineOrderer:
+    """Per-tenant online block ordering (see the module docstring). Mutating methods say so."""
+
+    def __init__(self, max_requests: int = 100_000, max_blocks: int = 1_000_000) -> None:
+        if max_requests < 1 or max_blocks < 1:
+            raise InvalidInputError("max_requests and max_blocks must be positive")
+        self.max_requests = max_requests
+        self.max_blocks = max_blocks
+        self._root = _TrieNode(None, None)
+        self._clock = 0
+        self._requests_seen = 0
+        self._frequency: Counter[Hashable] = Counter()
+        self._first_seen: dict[Hashable, int] = {}
+        self._paths: OrderedDict[Hashable, _TrieNode] = OrderedDict()  # request id -> last node of its order
+
+    def __len__(self) -> int:
+        """Number of recorded requests."""
+        return len(self._paths)
+
+    # ------------------------------------------------------------------------------------------------ decisions
+    def observe(self, keys: Sequence[Hashable]) -> None:
+        """Count one arrived request's blocks in the retrieval frequencies (mutates). O(k)."""
+        self._requests_seen += 1
+        frequency, first = self._frequency, self._first_seen
+        for key in keys:
+            frequency[key] += 1
+            if key not in first:
+                first[key] = len(first)
+        if len(frequency) > self.max_blocks:
+            self._halve_frequencies()
+
+    def order(self, keys: Sequence[Hashable], sizes: Sequence[float]) -> list[Hashable]:
+        """The order to send ``keys`` (distinct) in, given each block's size (tokens or characters). Pure. O(k log k)."""
+        if len(keys) != len(sizes):
+            raise InvalidInputError("order needs one size per key")
+        size = dict(zip(keys, sizes))
+        path = self.match(size)
+        placed = set(path)
+        return path + self._extension([key for key in keys if key not in placed], size)
+
+    def match(self, size: dict[Hashable, float]) -> list[Hashable]:
+        """The recorded path (restricted to the keys of ``size``) with the most recency-weighted size. Pure."""
+        clock, best_score, best_node = self._clock, 0.0, self._root
+        budget = MATCH_BUDGET
+        stack: list[tuple[_TrieNode, float]] = [(self._root, 0.0)]
+        while stack and budget > 0:
+            node, score = stack.pop()
+            budget -= 1
+            if score > best_score:
+                best_score, best_node = score, node
+            children = node.children
+            if len(children) < len(size):
+                candidates = [child for key, child in children.items() if key in size]
+            else:
+                candidates = [children[key] for key in size if key in children]
+            for child in candidates:
+                weight = size[child.key] / (1.0 + (clock - child.last) / RECENCY_SCALE)
+                stack.append((child, score + weight))
+        return _path_to(best_node)
+
+    def _extension(self, keys: list[Hashable], size: dict[Hashable, float]) -> list[Hashable]:
+        seen = max(1, self._requests_seen)
+        frequency, first = self._frequency, self._first_seen
+        unseen = len(first)
+
+        def rank(key: Hashable) -> tuple[float, int]:
+            share = min(frequency.get(key, 0) / seen, 0.999)
+            return (-size[key] * share / (1.0 - share), first.get(key, unseen))
+
+        return sorted(keys, key=rank)
+
+    # ------------------------------------------------------------------------------------------------ recording
+    def record(self, order: Sequence[Hashable], request_id: Hashable) -> tuple[Hashable, ...]:
+        """Record that ``order`` was sent as ``request_id`` (mutates). Returns the request ids forgotten to stay
+        bounded. A request id already recorded is replaced. O(k)."""
+        if request_id in self._paths:
+            self.evict(request_id)
+        self._clock += 1
+        node = self._root
+        for key in order:
+            child = node.children.get(key)
+            if child is None:
+                child = node.children[key] = _TrieNode(key, node)
+            child.count += 1
+            child.last = self._clock
+            node = child
+        if node is self._root:
+            return ()
+        self._paths[request_id] = node
+        forgotten: list[Hashable] = []
+        while len(self._paths) > self.max_requests:
+            oldest, end = self._paths.popitem(last=False)
+            self._release(end)
+            forgotten.append(oldest)
+        return tuple(forgotten)
+
+    def evict(self, request_id: Hashable) -> bool:
+        """The engine evicted ``request_id``'s prefix: take its weight off its path (mutates). O(k)."""
+        end = self._paths.pop(request_id, None)
+        if end is None:
+            return False
+        self._release(end)
+        return True
+
+    def _release(self, end: _TrieNode) -> None:
+        node: _TrieNode | None = end
+        while node is not None and node is not self._root:
+            parent = node.parent
+            node.count -= 1
+            if node.count <= 0 and not node.children and parent is not None:
+                del parent.children[node.key]
+            node = parent
+
+    def _halve_frequencies(self) -> None:
+        for key in list(self._frequency):
+            value = self._frequency[key] // 2
+            if value:
+                self._frequency[key] = value
+            else:
+                del self._frequency[key]
+                self._first_seen.pop(key, None)
+        self._requests_seen = max(1, self._requests_seen // 2)
+
+    # ------------------------------------------------------------------------------------------------ checks
+    def check_integrity(self) -> None:
+        """Every node's count equals the recorded requests whose paths pass through it (raises IndexIntegrityError)."""
+        from cpmemory.errors import IndexIntegrityError
+
+        expected: Counter[int] = Counter()
+        for end in self._paths.values():
+            node: _TrieNode | None = end
+            while node is not None and node is not self._root:
+                expected[id(node)] += 1
+                node = node.parent
+        stack = list(self._root.children.values())
+        while stack:
+            node = stack.pop()
+            if node.count != expected.get(id(node), 0) or node.count <= 0:
+                raise IndexIntegrityError(f"online trie node {node.key!r}: count {node.count}, "
+                                          f"{expected.get(id(node), 0)} recorded requests through it")
+            stack.extend(node.children.values())
+
+
+def _path_to(node: _TrieNode) -> list[Hashable]:
+    path = []
+    while node.parent is not None:
+        path.append(node.key)
+        node = node.parent
+    return path[::-1]
