@@ -227,7 +227,11 @@ class _FacadeCore:
         return BatchPlan(order=order, contexts=id_lists, request_ids=request_ids)
 
     def release_order(self, requests: Sequence[Iterable[BlockLike]], *, tenant: str = "default") -> list[int]:
-        """The order in which to run waiting requests (the hold-and-release queue). Records nothing.
+        """The order in which to run waiting requests (the proxy's hold-and-release queue).
+
+        The tenant's online planner orders the window (``cpmemory.core.online.OnlineOrderer.plan_window``): the
+        block orders it decides are used when the requests are then prepared (without ``prompt_order``) in this
+        order. Nothing is recorded in the index until they are prepared; their blocks count as retrieved.
 
         Args:
             requests: the waiting requests' blocks, in arrival order.
@@ -239,7 +243,14 @@ class _FacadeCore:
         if isinstance(requests, (str, bytes, Mapping)):
             raise InvalidInputError("requests must be a list of block lists")
         ConversationKey(tenant, "batch")
-        return list(range(len(requests)))
+        contexts, sizes = [], []
+        for blocks in requests:
+            length: dict[str, float] = {}
+            for block in normalize_blocks(blocks):
+                length.setdefault(block.content_hash, float(len(block.text) + 1))
+            contexts.append(list(length))
+            sizes.append(list(length.values()))
+        return self._indexes.release_order(tenant, contexts, sizes)
 
     def _insert_planned(self, tenant: str, blocks: Sequence[Any], ids: Sequence[str]) -> str:
         if not ids:

@@ -9,7 +9,9 @@ Format (one request per line, UTF-8)::
 * ``session`` (str) and ``turn`` (int >= 0): requests of one session are turns of one conversation, in file order
   with strictly increasing ``turn``.
 * ``query`` (str); ``blocks``: list of ``{"id": str, "text": str, "tokens": int (optional)}`` in retrieval
-  (relevance) order; ``arrival`` (float seconds, optional, informational); ``answer`` (str, optional): the
+  (relevance) order. A block with an empty ``text`` needs ``tokens``: it is replayed as a deterministic stand-in
+  of that many tokens unique to its id (:func:`stand_in_text`). ``arrival`` (float seconds, optional: on every
+  line or on none, never going backwards; ``bench replay --online`` uses it to form its windows); ``answer`` (str, optional): the
   assistant's reply, kept in the history of later turns when the trace is multi-turn (a deterministic stand-in is
   used when absent).
 * The ``_meta`` line's ``multi_turn`` says whether a session's history is kept as the prompt prefix of its later
@@ -96,7 +98,27 @@ def _parse_block(value: Any, index: int, line_number: int) -> TraceBlock:
     tokens = value.get("tokens")
     _require(tokens is None or (_is_int(tokens) and tokens >= 0), line_number,
              f"blocks[{index}].tokens must be a non-negative integer")
-    return TraceBlock(block_id, value["text"], tokens)
+    text = value["text"]
+    if text == "":
+        _require(bool(tokens), line_number, f"blocks[{index}] (id {block_id!r}) has an empty text and no tokens "
+                                            "count: give its text, or its size as \"tokens\"")
+        text = stand_in_text(block_id, tokens)
+    return TraceBlock(block_id, text, tokens)
+
+
+def stand_in_text(block_id: str, tokens: int) -> str:
+    """Deterministic text of exactly ``tokens`` benchmark tokens, unique to ``block_id`` (for blocks given by size).
+
+    Every word is six hex digits of a digest of (id, position): with its leading space it is one token of
+    :mod:`cpmemory.bench.tokenizer`, and two ids never share a word sequence.
+    """
+    import hashlib
+
+    words = []
+    for position in range(tokens):
+        digest = hashlib.blake2b(f"{block_id}\x00{position}".encode(), digest_size=3).hexdigest()
+        words.append("x" + digest[1:] if digest[0].isdigit() else digest)
+    return " ".join(words)
 
 
 def parse_request(obj: Any, line_number: int) -> TraceRequest:
@@ -125,6 +147,19 @@ def parse_request(obj: Any, line_number: int) -> TraceRequest:
     _require(answer is None or isinstance(answer, str), line_number, "answer must be a string")
     return TraceRequest(obj["session"], obj["turn"], obj["query"], blocks,
                         None if arrival is None else float(arrival), answer)
+
+
+def _arrival_problem(request: TraceRequest, earlier: list[TraceRequest]) -> str:
+    """Why ``request``'s ``arrival`` cannot follow ``earlier`` ("" when it can): all or none, never backwards."""
+    if not earlier:
+        return ""
+    previous = earlier[-1].arrival
+    if (previous is None) != (request.arrival is None):
+        return ("arrival is missing here but given on earlier lines" if request.arrival is None
+                else "arrival is given here but missing on earlier lines")
+    if previous is not None and request.arrival is not None and request.arrival < previous:
+        return f"arrival {request.arrival} goes backwards (the previous request arrived at {previous})"
+    return ""
 
 
 def _parse_meta(obj: dict[str, Any], line_number: int, first: bool) -> dict[str, Any]:
@@ -179,6 +214,13 @@ def parse_lines(lines: Iterable[str], *, name: str = "trace", skip_bad: bool = F
         except TraceFormatError as error:
             if not skip_bad:
                 raise
+            skipped.append(error)
+            continue
+        problem = _arrival_problem(request, requests)
+        if problem:
+            error = TraceFormatError(line_number, problem)
+            if not skip_bad:
+                raise error
             skipped.append(error)
             continue
         last_turn[request.session] = request.turn

@@ -81,14 +81,21 @@ class OnlineOrderer:
         if len(frequency) > self.max_blocks:
             self._halve_frequencies()
 
-    def order(self, keys: Sequence[Hashable], sizes: Sequence[float]) -> list[Hashable]:
-        """The order to send ``keys`` (distinct) in, given each block's size (tokens or characters). Pure. O(k log k)."""
+    def order(
+        self, keys: Sequence[Hashable], sizes: Sequence[float], waiting: Counter[Hashable] | None = None
+    ) -> list[Hashable]:
+        """The order to send ``keys`` (distinct) in, given each block's size (tokens or characters). Pure. O(k log k).
+
+        Args:
+            waiting: how many requests still waiting (in the same window) hold each block: blocks they share
+                come first in the extension, so they can reuse this request's prefix.
+        """
         if len(keys) != len(sizes):
             raise InvalidInputError("order needs one size per key")
         size = dict(zip(keys, sizes))
         path = self.match(size)
         placed = set(path)
-        return path + self._extension([key for key in keys if key not in placed], size)
+        return path + self._extension([key for key in keys if key not in placed], size, waiting)
 
     def match(self, size: dict[Hashable, float]) -> list[Hashable]:
         """The recorded path (restricted to the keys of ``size``) with the most recency-weighted size. Pure."""
@@ -110,16 +117,83 @@ class OnlineOrderer:
                 stack.append((child, score + weight))
         return _path_to(best_node)
 
-    def _extension(self, keys: list[Hashable], size: dict[Hashable, float]) -> list[Hashable]:
+    def _extension(
+        self, keys: list[Hashable], size: dict[Hashable, float], waiting: Counter[Hashable] | None = None
+    ) -> list[Hashable]:
         seen = max(1, self._requests_seen)
         frequency, first = self._frequency, self._first_seen
         unseen = len(first)
+        waiting = waiting or Counter()
 
-        def rank(key: Hashable) -> tuple[float, int]:
+        def rank(key: Hashable) -> tuple[int, float, int]:
             share = min(frequency.get(key, 0) / seen, 0.999)
-            return (-size[key] * share / (1.0 - share), first.get(key, unseen))
+            return (-waiting[key], -size[key] * share / (1.0 - share), first.get(key, unseen))
 
         return sorted(keys, key=rank)
+
+    # ------------------------------------------------------------------------------------------------ windows
+    def plan_window(
+        self, contexts: Sequence[Sequence[Hashable]], sizes: Sequence[Sequence[float]]
+    ) -> tuple[list[int], list[list[Hashable]]]:
+        """Order a window of waiting requests: which runs first, and each one's block order.
+
+        The window's requests have arrived, so they are counted in the retrieval frequencies (mutates those only;
+        the trie is left as it was). Greedy: the request that would find the most cached (the recency-weighted
+        match) runs next, its order is tentatively recorded, and the others are re-scored against it, so requests
+        sharing blocks run back to back and share the first one's order; ties go to the request whose blocks the
+        window shares most. O(W^2 * match) for a window of W requests.
+        """
+        if len(contexts) != len(sizes):
+            raise InvalidInputError("plan_window needs one size list per context")
+        for keys in contexts:
+            self.observe(keys)
+        shared: Counter[Hashable] = Counter(key for keys in contexts for key in keys)
+        size_maps = [dict(zip(keys, weights)) for keys, weights in zip(contexts, sizes)]
+        affinity = [sum(size_maps[i][key] * (shared[key] - 1) for key in keys) for i, keys in enumerate(contexts)]
+        remaining = [i for i, keys in enumerate(contexts) if keys]
+        schedule = [i for i, keys in enumerate(contexts) if not keys]
+        orders: list[list[Hashable]] = [list(keys) for keys in contexts]
+        undo: list[tuple[_TrieNode, int, bool]] = []
+        clock = self._clock
+        try:
+            while remaining:
+                best = max(remaining, key=lambda i: (self._match_score(size_maps[i]), affinity[i], -i))
+                remaining.remove(best)
+                shared.subtract(contexts[best])
+                orders[best] = self.order(contexts[best], sizes[best], shared)
+                schedule.append(best)
+                self._clock += 1
+                undo.extend(self._tentative(orders[best]))
+        finally:
+            for node, last, created in reversed(undo):
+                node.count -= 1
+                node.last = last
+                if created:
+                    del node.parent.children[node.key]  # type: ignore[union-attr]
+            self._clock = clock
+        return schedule, orders
+
+    def _match_score(self, size: dict[Hashable, float]) -> float:
+        path = self.match(size)
+        node, score = self._root, 0.0
+        for key in path:
+            node = node.children[key]
+            score += size[key] / (1.0 + (self._clock - node.last) / RECENCY_SCALE)
+        return score
+
+    def _tentative(self, order: Sequence[Hashable]) -> list[tuple[_TrieNode, int, bool]]:
+        changes = []
+        node = self._root
+        for key in order:
+            child = node.children.get(key)
+            created = child is None
+            if child is None:
+                child = node.children[key] = _TrieNode(key, node)
+            changes.append((child, child.last, created))
+            child.count += 1
+            child.last = self._clock
+            node = child
+        return changes
 
     # ------------------------------------------------------------------------------------------------ recording
     def record(self, order: Sequence[Hashable], request_id: Hashable) -> tuple[Hashable, ...]:

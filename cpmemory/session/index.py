@@ -10,11 +10,15 @@ the orders sent and the retrieval frequencies, which decides the order of a requ
 from __future__ import annotations
 
 import threading
+from collections import OrderedDict
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
 
 from cpmemory.core.index import ContextIndex
 from cpmemory.core.online import OnlineOrderer
+
+
+MAX_PLANNED = 4096
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,6 +45,8 @@ class TenantIndexes:
         self._lock = threading.Lock()
         self._indexes: dict[str, ContextIndex] = {}
         self._orderers: dict[str, OnlineOrderer] = {}
+        # Orders decided by release_order for requests about to be prepared: tenant -> block set -> order.
+        self._planned: dict[str, OrderedDict[frozenset[Hashable], list[Hashable]]] = {}
 
     def _orderer(self, tenant: str) -> OnlineOrderer:
         orderer = self._orderers.get(tenant)
@@ -58,6 +64,23 @@ class TenantIndexes:
             orderer.observe(context)
             return orderer.order(context, sizes)
 
+    def release_order(
+        self, tenant: str, contexts: Sequence[Sequence[Hashable]], sizes: Sequence[Sequence[float]]
+    ) -> list[int]:
+        """Plan a window of waiting requests (``OnlineOrderer.plan_window``); return the order to run them in.
+
+        The block orders planned are kept (bounded) and used when these requests are prepared.
+        """
+        with self._lock:
+            schedule, orders = self._orderer(tenant).plan_window(contexts, sizes)
+            planned = self._planned.setdefault(tenant, OrderedDict())
+            for keys, order in zip(contexts, orders):
+                if keys:
+                    planned[frozenset(keys)] = order
+            while len(planned) > MAX_PLANNED:
+                planned.popitem(last=False)
+        return schedule
+
     def order_and_place(
         self, tenant: str, context: Sequence[Hashable], sizes: Sequence[float], request_id: str
     ) -> Placement:
@@ -69,8 +92,10 @@ class TenantIndexes:
             return Placement()
         with self._lock:
             orderer = self._orderer(tenant)
-            orderer.observe(context)
-            ordered = orderer.order(context, sizes)
+            ordered = self._planned.get(tenant, {}).pop(frozenset(context), None)  # type: ignore[arg-type]
+            if ordered is None:  # not planned in a window: order it now
+                orderer.observe(context)
+                ordered = orderer.order(context, sizes)
             orderer.record(ordered, request_id)
             result = self._index(tenant).insert(ordered, request_id)
             for evicted in result.evicted:
@@ -120,9 +145,11 @@ class TenantIndexes:
             if tenant is None:
                 self._indexes.clear()
                 self._orderers.clear()
+                self._planned.clear()
             else:
                 self._indexes.pop(tenant, None)
                 self._orderers.pop(tenant, None)
+                self._planned.pop(tenant, None)
 
     def size(self, tenant: str) -> int:
         """Number of requests in ``tenant``'s index."""

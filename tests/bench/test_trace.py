@@ -18,7 +18,7 @@ def line(**fields):
 
 
 def test_parses_meta_and_requests():
-    lines = [json.dumps({"_meta": {"name": "demo", "multi_turn": True}}), line(),
+    lines = [json.dumps({"_meta": {"name": "demo", "multi_turn": True}}), line(arrival=0.5),
              line(turn=2, blocks=[{"id": 7, "text": "x", "tokens": 3}], arrival=1.5, answer="ok")]
     trace = parse_lines(lines)
     assert trace.name == "demo" and trace.multi_turn
@@ -46,6 +46,8 @@ def test_flag_overrides_meta_and_defaults_to_independent():
         (line(blocks=[{"id": "a", "text": "t"}, {"id": "a", "text": "u"}]), "repeated"),
         (line(arrival="soon"), "arrival must be a finite number"),
         (line(extra=1), "unknown keys"),
+        (line(blocks=[{"id": "a", "text": ""}]), "empty text and no tokens count"),
+        (line(arrival=2.0), "arrival is given here but missing on earlier lines"),
     ],
 )
 def test_bad_line_reports_its_line_number(bad, reason):
@@ -87,7 +89,7 @@ def test_empty_trace_and_missing_file(tmp_path):
 text = st.text(st.characters(blacklist_categories=("Cs",)), max_size=20)
 requests = st.lists(
     st.builds(lambda q, blocks, answer: (q, blocks, answer), text,
-              st.lists(st.tuples(st.from_regex(r"[a-z0-9]{1,6}", fullmatch=True), text), max_size=4,
+              st.lists(st.tuples(st.from_regex(r"[a-z0-9]{1,6}", fullmatch=True), text.filter(bool)), max_size=4,
                        unique_by=lambda pair: pair[0]),
               st.none() | text),
     min_size=1, max_size=8)
@@ -102,3 +104,23 @@ def test_write_then_read_round_trips(tmp_path_factory, items, multi_turn):
     path = tmp_path_factory.mktemp("trace") / "t.jsonl"
     write_trace(original, path)
     assert read_trace(path) == original
+
+
+def test_arrival_on_every_line_or_none_and_never_backwards():
+    with pytest.raises(TraceFormatError, match="missing here") as info:
+        parse_lines([line(arrival=1.0), line(session="b")])
+    assert info.value.line_number == 2
+    with pytest.raises(TraceFormatError, match="goes backwards") as info:
+        parse_lines([line(arrival=1.0), line(session="b", arrival=1.0), line(session="c", arrival=0.5)])
+    assert info.value.line_number == 3
+    skipped = parse_lines([line(arrival=1.0), line(session="c", arrival=0.5)], skip_bad=True)
+    assert len(skipped.requests) == 1 and skipped.skipped[0].line_number == 2
+
+
+def test_empty_text_with_a_token_count_is_a_stand_in_unique_to_the_id():
+    from cpmemory.bench.tokenizer import count_tokens
+
+    trace = parse_lines([line(blocks=[{"id": "a", "text": "", "tokens": 1000}, {"id": "b", "text": "", "tokens": 1000}])])
+    first, second = trace.requests[0].blocks
+    assert count_tokens(first.text) == 1000 and count_tokens(second.text) == 1000
+    assert first.text != second.text and not set(first.text.split()) & set(second.text.split())

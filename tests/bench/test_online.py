@@ -1,0 +1,70 @@
+"""bench replay --online: same run, every online strategy, the product's prepare path, gain shares, bad input."""
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from cpmemory.bench.loaders import load_synthetic
+from cpmemory.bench.online import ONLINE_STRATEGIES, Windows, gain_share
+from cpmemory.bench.replay import ReplaySettings, run_replay
+from cpmemory.bench.trace import Trace, write_trace
+from cpmemory.cli import app
+from cpmemory.errors import InvalidInputError
+
+ONLINE_KEYS = {"hit_rate", "prefill_tokens", "gain_share", "overhead_p50_ms", "overhead_p99_ms", "no_loss_violations"}
+
+
+@pytest.fixture(scope="module")
+def trace():
+    return load_synthetic(requests=150, blocks_per_request=6, corpus_size=60, seed=3)
+
+
+@pytest.mark.parametrize("window", [1, 8])
+def test_every_online_strategy_runs_without_loss_and_the_product_beats_original(trace, window):
+    report = run_replay(trace, ReplaySettings(capacity="20%", strategies=("original", "popularity")),
+                        online_window=window)
+    assert "cpmemory" in report.results  # the offline planner always runs with --online
+    online = report.to_json()["online"]
+    assert online["window"] == window and set(online["strategies"]) == set(ONLINE_STRATEGIES)
+    for name, figures in online["strategies"].items():
+        assert ONLINE_KEYS <= figures.keys(), name
+        assert figures["no_loss_violations"] == 0, name
+    ours, original = online["strategies"]["cpmemory"], online["strategies"]["original"]
+    assert ours["hit_rate"] > original["hit_rate"]
+    offline = report.results["cpmemory"].hit_rate
+    assert ours["gain_share"] == pytest.approx(gain_share(ours["hit_rate"], original["hit_rate"], offline), abs=1e-3)
+
+
+def test_windows_cut_untimed_traces_and_follow_arrivals(trace):
+    assert [len(w) for w in Windows(trace, 64)] == [64, 64, 22]
+    timed = dataclasses.replace(trace, requests=tuple(
+        dataclasses.replace(r, arrival=float(i // 3)) for i, r in enumerate(trace.requests[:9])))
+    windows = Windows(timed, 8)
+    seen = []
+    for waiting in windows:
+        seen.append(waiting)
+        for _ in waiting:
+            windows.busy(0)  # an idle engine: a window is what arrived at the same time
+    assert seen == [[0, 1, 2], [3, 4, 5], [6, 7, 8]]
+
+
+def test_window_below_one_is_an_error_naming_the_flag(trace, tmp_path):
+    with pytest.raises(InvalidInputError, match="--window"):
+        run_replay(trace, ReplaySettings(strategies=("original",)), online_window=0)
+    path = tmp_path / "t.jsonl"
+    write_trace(Trace("t", trace.requests[:10]), path)
+    result = CliRunner().invoke(app, ["bench", "replay", "--trace", str(path), "--online", "--window", "0", "--json"])
+    assert result.exit_code == 2 and "--window" in result.output
+
+
+def test_cli_prints_the_online_object(tmp_path, trace):
+    path = tmp_path / "t.jsonl"
+    write_trace(Trace("t", trace.requests[:40]), path)
+    result = CliRunner().invoke(app, ["bench", "replay", "--trace", str(path), "--strategies", "original",
+                                      "--online", "--json"])
+    assert result.exit_code == 0, result.output
+    line = [row for row in result.output.splitlines() if row.startswith("{")][-1]
+    assert set(json.loads(line)["online"]["strategies"]) == set(ONLINE_STRATEGIES)

@@ -1,0 +1,85 @@
+"""The online orderer: orders are permutations, the trie mirrors what was recorded, evictions take weight off."""
+from __future__ import annotations
+
+from collections import Counter
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from cpmemory.core.online import OnlineOrderer
+
+
+def sizes(keys):
+    return [10.0] * len(keys)
+
+
+def test_a_request_holding_an_earlier_order_starts_with_it():
+    orderer = OnlineOrderer()
+    first = orderer.order(["a", "b", "c"], [5.0, 50.0, 20.0])
+    orderer.record(first, "r1")
+    second = orderer.order(["x", "c", "b", "a"], [5.0, 20.0, 50.0, 5.0])
+    assert second[:3] == first and second[3] == "x"
+
+
+def test_the_deepest_cached_path_wins_over_the_most_travelled_child():
+    orderer = OnlineOrderer()
+    for i in range(3):
+        orderer.record(["a", "z"], f"popular{i}")
+    orderer.record(["b", "c", "d"], "deep")
+    assert orderer.order(["a", "b", "c", "d"], sizes("abcd"))[:3] == ["b", "c", "d"]
+
+
+def test_unmatched_blocks_follow_by_size_times_odds_of_retrieval():
+    orderer = OnlineOrderer()
+    for keys in (["a", "b"], ["a", "c"], ["a", "b"], ["d"]):
+        orderer.observe(keys)
+    # a: 3/4, b: 2/4, c: 1/4 (same size): a, b, c; a big rare block can go before a small common one
+    assert orderer.order(["c", "b", "a"], [1.0, 1.0, 1.0]) == ["a", "b", "c"]
+    assert orderer.order(["b", "c"], [1.0, 10.0]) == ["c", "b"]
+
+
+def test_evicting_a_request_removes_its_path():
+    orderer = OnlineOrderer()
+    orderer.record(["a", "b"], "r1")
+    assert orderer.evict("r1") and not orderer.evict("r1")
+    orderer.check_integrity()
+    assert orderer.match({"a": 1.0, "b": 1.0}) == []
+
+
+def test_bounded_number_of_requests_forgets_the_oldest():
+    orderer = OnlineOrderer(max_requests=2)
+    orderer.record(["a"], "r1")
+    orderer.record(["b"], "r2")
+    assert orderer.record(["c"], "r3") == ("r1",)
+    assert len(orderer) == 2 and orderer.match({"a": 1.0}) == []
+    orderer.check_integrity()
+
+
+def test_plan_window_runs_sharing_requests_together_and_leaves_the_trie_unchanged():
+    orderer = OnlineOrderer()
+    orderer.record(["p", "q"], "old")
+    window = [["x", "y"], ["p", "q", "r"], ["s", "t"], ["p", "r", "u"]]
+    schedule, orders = orderer.plan_window(window, [sizes(keys) for keys in window])
+    assert sorted(schedule) == [0, 1, 2, 3]
+    assert schedule[:2] == [1, 3]  # the one that matches the cached order first, then the one sharing with it
+    assert orders[1][:2] == ["p", "q"] and orders[3][0] == "p"
+    assert all(Counter(order) == Counter(keys) for order, keys in zip(orders, window))
+    orderer.check_integrity()
+    assert len(orderer) == 1
+
+
+keys_strategy = st.lists(st.sampled_from("abcdefghij"), min_size=0, max_size=6, unique=True)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(keys_strategy, st.booleans()), min_size=1, max_size=30))
+def test_orders_are_permutations_and_the_trie_stays_consistent(steps):
+    orderer = OnlineOrderer(max_requests=8)
+    for number, (keys, evict) in enumerate(steps):
+        orderer.observe(keys)
+        order = orderer.order(keys, [float(len(k) + number % 3) for k in keys])
+        assert Counter(order) == Counter(keys)
+        orderer.record(order, number)
+        if evict:
+            orderer.evict(number // 2)
+        orderer.check_integrity()
