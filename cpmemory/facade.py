@@ -226,6 +226,24 @@ class _FacadeCore:
             request_ids.append(self._insert_planned(tenant, blocks, ids))
         return BatchPlan(order=order, contexts=id_lists, request_ids=request_ids)
 
+    def order_blocks(self, blocks: Iterable[BlockLike], *, tenant: str = "default") -> list[Any]:
+        """The online order of a request outside any conversation (no conversation id): its blocks, prompt order.
+
+        The tenant's online orderer decides, exactly as ``prepare`` would without ``prompt_order``; nothing is
+        de-duplicated and no conversation state is read or written (no store call). The order is recorded in the
+        tenant's index (the engine will cache it, so later requests can share it). Returns the normalised blocks
+        (repeated ids dropped) in prompt order.
+        """
+        ConversationKey(tenant, "stateless")  # validates the tenant id (InvalidIdentifierError)
+        normalized = normalize_blocks(blocks)
+        by_hash: dict[str, list[Any]] = {}
+        for block in normalized:
+            by_hash.setdefault(block.content_hash, []).append(block)
+        context = list(by_hash)
+        sizes = [float(len(by_hash[key][0].text) + 1) for key in context]
+        placement = self._indexes.order_and_place(tenant, context, sizes, uuid.uuid4().hex)
+        return [block for key in placement.prefix for block in by_hash[key]]
+
     def release_order(self, requests: Sequence[Iterable[BlockLike]], *, tenant: str = "default") -> list[int]:
         """The order in which to run waiting requests (the proxy's hold-and-release queue).
 

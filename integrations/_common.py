@@ -181,6 +181,15 @@ def passthrough_messages(
     return messages
 
 
+def online_order(memory: Any, blocks: Sequence[Block], tenant: str) -> list[Block]:
+    """``blocks`` in the facade's online order for a request without a conversation (no dedup, no state); the
+    given order when the facade has no online orderer."""
+    order_blocks = getattr(memory, "order_blocks", None)
+    if order_blocks is None or not blocks:
+        return list(blocks)
+    return list(order_blocks(list(blocks), tenant=tenant))
+
+
 def facade_system_prompt(memory: Any, override: str | None) -> str | None:
     """The system prompt a facade would use: ``override``, else its configured one (pass-through prompts match)."""
     if override is not None:

@@ -287,7 +287,7 @@ def run_online(trace: Trace, prepared: Sequence[PreparedRequest], system_prompt:
                page_size: int | None, window: int, offline: dict[str, StrategyResult],
                strategies: Sequence[str] = ONLINE_STRATEGIES, progress: Any = None) -> OnlineReport:
     """Run every online strategy on its own fresh cache; gain shares against ``offline['cpmemory']``."""
-    from cpmemory.engines.simulator import PrefixCacheSimulator
+    from cpmemory.bench.simulator import PrefixCacheSimulator
 
     check_window(window)
     unknown = set(strategies) - set(ONLINE_STRATEGIES)

@@ -34,7 +34,7 @@ from collections.abc import Hashable, Sequence
 from cpmemory.errors import InvalidInputError
 
 RECENCY_SCALE = 50.0
-MATCH_BUDGET = 256
+MATCH_BUDGET = 64
 
 
 class _TrieNode:
@@ -98,12 +98,19 @@ class OnlineOrderer:
         return path + self._extension([key for key in keys if key not in placed], size, waiting)
 
     def match(self, size: dict[Hashable, float]) -> list[Hashable]:
-        """The recorded path (restricted to the keys of ``size``) with the most recency-weighted size. Pure."""
+        """The recorded path (restricted to the keys of ``size``) with the most recency-weighted size. Pure.
+
+        Depth-first branch and bound: children are tried best first, and a branch is cut when even caching all
+        the request's blocks not yet on it at full weight could not beat the best path found. At most
+        ``MATCH_BUDGET`` nodes are expanded.
+        """
         clock, best_score, best_node = self._clock, 0.0, self._root
         budget = MATCH_BUDGET
-        stack: list[tuple[_TrieNode, float]] = [(self._root, 0.0)]
+        stack: list[tuple[_TrieNode, float, float]] = [(self._root, 0.0, sum(size.values()))]
         while stack and budget > 0:
-            node, score = stack.pop()
+            node, score, left = stack.pop()
+            if score + left <= best_score:
+                continue
             budget -= 1
             if score > best_score:
                 best_score, best_node = score, node
@@ -112,9 +119,12 @@ class OnlineOrderer:
                 candidates = [child for key, child in children.items() if key in size]
             else:
                 candidates = [children[key] for key in size if key in children]
+            scored = []
             for child in candidates:
                 weight = size[child.key] / (1.0 + (clock - child.last) / RECENCY_SCALE)
-                stack.append((child, score + weight))
+                scored.append((score + weight, id(child), child))
+            scored.sort()
+            stack.extend((child, value, left - size[child.key]) for value, _, child in scored)
         return _path_to(best_node)
 
     def _extension(

@@ -33,6 +33,7 @@ from integrations._common import (
     PassthroughWarning,
     PendingTurns,
     facade_system_prompt,
+    online_order,
     passthrough_messages,
 )
 from integrations.langchain.documents import (
@@ -117,14 +118,14 @@ class CpMemoryPromptRunnable(TurnKeeper, Runnable[Mapping[str, Any], list[BaseMe
     def _passthrough(self, parsed: PromptInput) -> list[BaseMessage]:
         warnings.warn(
             f"CpMemoryPromptRunnable: no '{self.conversation_key}' in config['configurable']; "
-            "every document sent in full, nothing recorded",
+            "documents ordered online, every one sent in full, nothing recorded for a conversation",
             PassthroughWarning,
             stacklevel=3,
         )
         assignment = documents_to_blocks(parsed.documents, self.id_key)
         messages = passthrough_messages(
             parsed.question,
-            assignment.blocks,
+            online_order(self.memory, assignment.blocks, self.tenant),
             history=messages_to_dicts(parsed.history),
             system_prompt=facade_system_prompt(self.memory, self.system_prompt),
         )

@@ -26,7 +26,7 @@ from langchain_core.runnables import RunnableConfig
 from langchain_core.runnables.config import ensure_config
 from pydantic import ConfigDict, Field, PrivateAttr
 
-from integrations._common import PassthroughWarning, PendingTurns
+from integrations._common import PassthroughWarning, PendingTurns, online_order
 from integrations.langchain.documents import (
     annotate_passthrough,
     annotate_prepared,
@@ -119,11 +119,19 @@ class CpMemoryRetriever(TurnKeeper, BaseRetriever):
     def _passthrough(self, documents: Sequence[Document], assignment: Any) -> list[Document]:
         warnings.warn(
             f"CpMemoryRetriever: no '{self.conversation_key}' in config['configurable']; "
-            "documents passed through in their original order, nothing de-duplicated",
+            "documents ordered online, nothing de-duplicated or recorded for a conversation",
             PassthroughWarning,
             stacklevel=4,
         )
-        return annotate_passthrough(documents, assignment, NO_CONVERSATION_REASON)
+        annotated = annotate_passthrough(documents, assignment, NO_CONVERSATION_REASON)
+        ordered = online_order(self.memory, list(assignment.blocks), self.tenant)
+        position = {block.id: i for i, block in enumerate(ordered)}
+
+        def prompt_rank(rank: int) -> int:
+            block = assignment.item_block[rank]
+            return position.get(assignment.blocks[block].id, len(ordered)) if block is not None else len(ordered)
+
+        return [annotated[rank] for rank in sorted(range(len(annotated)), key=lambda rank: (prompt_rank(rank), rank))]
 
     def prompt(self) -> Any:
         """Return a :class:`CpMemoryPromptRunnable` sharing this retriever's facade and pending turns."""

@@ -29,6 +29,7 @@ from integrations._common import (
     PassthroughWarning,
     PendingTurns,
     facade_system_prompt,
+    online_order,
     passthrough_messages,
 )
 from integrations.mem0.results import (
@@ -104,12 +105,14 @@ class _Mem0Adapter:
         self, query: str, parsed: ParsedResults, history: Sequence[Mapping[str, str]] | None
     ) -> Any:
         warnings.warn(
-            "CpMemoryMem0: search without run_id or conversation_id; results passed through in Mem0's order",
+            "CpMemoryMem0: search without run_id or conversation_id; blocks ordered online, nothing de-duplicated "
+            "or recorded for a conversation",
             PassthroughWarning,
             stacklevel=3,
         )
         system_prompt = facade_system_prompt(self._cpmemory, self._system_prompt)
-        messages = passthrough_messages(query, parsed.blocks, history=history, system_prompt=system_prompt)
+        blocks = online_order(self._cpmemory, parsed.blocks, self._tenant)
+        messages = passthrough_messages(query, blocks, history=history, system_prompt=system_prompt)
         self._pending.put(_PASSTHROUGH_KEY, PassthroughTurn(messages))
         return assemble_passthrough(parsed, NO_CONVERSATION_REASON)
 

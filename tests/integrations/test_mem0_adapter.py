@@ -123,6 +123,9 @@ def test_without_conversation_results_pass_through_in_mem0_order(mem0_memory: An
     messages = wrapper.chat_messages()
     assert all(item["memory"] in messages[-1]["content"] for item in found["results"])
     assert wrapper.commit("nothing recorded") == 0
+    with pytest.warns(PassthroughWarning, match="ordered online"):
+        wrapper.search("Melanie", user_id="caroline", threshold=0.0)
+    assert wrapper.chat_messages()[-1]["content"] == messages[-1]["content"]  # same blocks: the same online order
 
 
 def test_abort_records_nothing(mem0_memory: Any) -> None:

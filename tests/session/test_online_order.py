@@ -1,0 +1,53 @@
+"""The facade's online paths: prepare without prompt_order, order_blocks (no conversation), release_order."""
+from __future__ import annotations
+
+from cpmemory.core.invariants import check_no_loss
+from cpmemory.facade import CpMemory
+
+TEXTS = {i: f"Document {i}: " + "word " * (5 + 3 * i) for i in range(10)}
+
+
+def blocks(*ids):
+    return [{"id": str(i), "text": TEXTS[i]} for i in ids]
+
+
+def test_a_later_request_holding_an_earlier_order_starts_with_it():
+    mem = CpMemory()
+    first = mem.prepare("a", "q", blocks(3, 1, 2))
+    mem.commit(first, "x")
+    second = mem.prepare("b", "q", blocks(7, 2, 1, 3))
+    assert second.prompt_order[:3] == first.prompt_order
+    assert check_no_loss(blocks(7, 2, 1, 3), second.messages).ok
+
+
+def test_order_blocks_records_no_conversation_and_is_shared_by_later_requests():
+    mem = CpMemory()
+    ordered = mem.order_blocks(blocks(4, 5, 6))
+    assert sorted(block.id for block in ordered) == ["4", "5", "6"]
+    assert mem.counters.snapshot()["prepares"] == 0  # no turn, no reservation, nothing for a conversation
+    turn = mem.prepare("c", "q", blocks(6, 5, 4, 9))
+    assert turn.prompt_order[:3] == [block.id for block in ordered]
+    assert mem.index_size() == 2
+    mem.check_index()
+
+
+def test_release_order_runs_sharing_requests_back_to_back_and_prepare_uses_its_orders():
+    mem = CpMemory()
+    waiting = [blocks(1, 2, 3), blocks(7, 8), blocks(3, 2, 4), blocks(8, 9, 7)]
+    order = mem.release_order(waiting)
+    assert sorted(order) == [0, 1, 2, 3]
+    turns = [mem.prepare(f"c{i}", "q", waiting[i]) for i in order]
+    for turn in turns:
+        mem.commit(turn, "a")
+    by_first = {turn.prompt_order[0] for turn in turns}
+    assert len(by_first) == 2  # two groups, each starting with one shared block
+    assert abs(order.index(0) - order.index(2)) == 1 and abs(order.index(1) - order.index(3)) == 1
+    mem.check_index()
+
+
+def test_eviction_reaches_the_online_order():
+    mem = CpMemory()
+    first = mem.prepare("a", "q", blocks(1, 2))
+    mem.commit(first, "x")
+    assert mem.evict([first.request_id]) == 1
+    mem.check_index()
