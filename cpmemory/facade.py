@@ -181,13 +181,15 @@ class _FacadeCore:
             raise error
         raise StoreUnavailableError(f"commit failed: {error}") from error
 
-    def _to_abort(self, turn_or_id: PreparedTurn | str) -> PreparedTurn | None:
-        """The turn to release, or None when it is unknown or degraded (nothing to release)."""
+    def _to_abort(self, turn_or_id: PreparedTurn | str) -> tuple[PreparedTurn | None, bool]:
+        """(the turn to release, or None when it is unknown or degraded; whether this facade still holds it open)."""
         try:
             turn = self._resolve(turn_or_id)
         except UnknownReservationError:
-            return None
-        return None if turn.degraded else turn
+            return None, False
+        with self._pending_lock:
+            pending = turn.reservation_id in self._pending
+        return (None if turn.degraded else turn), pending
 
     def _committed(self, turn: PreparedTurn, number: int) -> int:
         self._forget(turn)
@@ -198,9 +200,12 @@ class _FacadeCore:
         with self._pending_lock:
             self._pending.pop(turn.reservation_id, None)
 
-    def _after_abort(self, turn: PreparedTurn, released: bool) -> None:
+    def _after_abort(self, turn: PreparedTurn, released: bool, unsure_open: bool) -> None:
+        """Forget the turn; evict its index leaf only when the abort released it, or the store could not say and
+        the turn was still open here (``unsure_open``): a late abort, after commit, never touches the index."""
         self._forget(turn)
-        if turn.request_id:  # the engine never finished this request: its prefix is not cached for us
+        if turn.request_id and (released or unsure_open):
+            # the engine never finished this request: its prefix is not cached for us
             removed = self._indexes.evict(turn.tenant, [turn.request_id])
             self.counters.add(index_evictions=removed)
         self.counters.add(aborts=int(released))
@@ -216,7 +221,7 @@ class _FacadeCore:
         Returns:
             The execution order, each request's reordered block ids and index request ids.
         """
-        if isinstance(requests, (str, bytes, Mapping)):
+        if isinstance(requests, (str, bytes, Mapping)) or not isinstance(requests, Iterable):
             raise InvalidInputError("requests must be a list of block lists")
         ConversationKey(tenant, "batch")  # validates the tenant id (InvalidIdentifierError)
         block_lists = [normalize_blocks(blocks) for blocks in requests]
@@ -283,7 +288,12 @@ class _FacadeCore:
         """Remove the leaves of ``request_ids`` from the tenant's index (engine eviction sync). Returns how many."""
         if isinstance(request_ids, str):
             request_ids = [request_ids]
-        removed = self._indexes.evict(tenant, list(request_ids))
+        if isinstance(request_ids, (bytes, Mapping)) or not isinstance(request_ids, Iterable):
+            raise InvalidInputError("request_ids must be a list of request id strings")
+        request_ids = list(request_ids)
+        if not all(isinstance(request_id, str) for request_id in request_ids):
+            raise InvalidInputError("request_ids must be strings")
+        removed = self._indexes.evict(tenant, request_ids)
         self.counters.add(index_evictions=removed)
         return removed
 
@@ -404,7 +414,7 @@ class CpMemory(_FacadeCore):
 
     def abort(self, turn_or_reservation_id: PreparedTurn | str) -> bool:
         """Release the turn (its LLM call failed); False when already released, unknown or degraded."""
-        turn = self._to_abort(turn_or_reservation_id)
+        turn, pending = self._to_abort(turn_or_reservation_id)
         if turn is None:
             return False
         try:
@@ -413,7 +423,9 @@ class CpMemory(_FacadeCore):
             if not is_store_failure(error):
                 raise
             released = False  # the reservation times out by itself
-        self._after_abort(turn, released)
+            self._after_abort(turn, released, pending)
+            return released
+        self._after_abort(turn, released, False)
         return released
 
     def state(self, conversation_id: str, *, tenant: str = "default") -> ConversationState:
@@ -498,7 +510,7 @@ class AsyncCpMemory(_FacadeCore):
 
     async def abort(self, turn_or_reservation_id: PreparedTurn | str) -> bool:
         """See :meth:`CpMemory.abort`."""
-        turn = self._to_abort(turn_or_reservation_id)
+        turn, pending = self._to_abort(turn_or_reservation_id)
         if turn is None:
             return False
         try:
@@ -507,7 +519,9 @@ class AsyncCpMemory(_FacadeCore):
             if not is_store_failure(error):
                 raise
             released = False
-        self._after_abort(turn, released)
+            self._after_abort(turn, released, pending)
+            return released
+        self._after_abort(turn, released, False)
         return released
 
     async def state(self, conversation_id: str, *, tenant: str = "default") -> ConversationState:

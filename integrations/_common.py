@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from cpmemory.core.annotations import build_user_message, format_block
-from cpmemory.core.blocks import Block, content_hash
+from cpmemory.core.blocks import Block, content_hash, resolve_blocks
 from cpmemory.types import FULL_TEXT_STATUSES
 
 STATUS_PASSTHROUGH = "passthrough"
@@ -82,35 +82,35 @@ class BlockAssignment:
 def assign_blocks(entries: Sequence[tuple[str | None, str, str | None]]) -> BlockAssignment:
     """Make blocks from ``(id or None, text, content hash hint or None)`` entries in relevance order. Pure; O(n).
 
-    Rules (no result is ever dropped silently):
+    Rules (no result is ever dropped silently); repeated ids follow cpmemory's one rule
+    (:func:`cpmemory.core.blocks.resolve_blocks`):
       * no id -> ``"hash:<hint or content hash of the text>"``, noted ``id_derived``;
       * empty / whitespace-only text -> not sent, noted ``status="empty"``;
       * an id seen before with the same text -> not sent, noted ``status="duplicate"``, ``duplicate_of=<rank>``;
-      * an id seen before with another text -> sent under ``"<id>#<rank>"``, noted ``id_collision``.
+      * an id seen before with another text -> sent under a free id ``"<id>#<hex>"``, noted ``id_collision``.
     """
-    blocks: list[Block] = []
-    item_block: list[int | None] = []
-    notes: list[dict[str, Any]] = []
-    first_by_id: dict[str, tuple[int, str]] = {}  # block id -> (rank of its first result, text)
+    notes: list[dict[str, Any]] = [{} for _ in entries]
+    candidates: list[tuple[int, Block]] = []
     for rank, (raw_id, text, hint) in enumerate(entries):
-        note: dict[str, Any] = {}
         block_id = raw_id
         if not block_id:
-            block_id, note["id_derived"] = DERIVED_ID_PREFIX + (hint or content_hash(text)), True
+            block_id, notes[rank]["id_derived"] = DERIVED_ID_PREFIX + (hint or content_hash(text)), True
         if not text.strip():
-            note["status"] = STATUS_EMPTY
-            item_block.append(None)
-        elif block_id in first_by_id and first_by_id[block_id][1] == text:
-            note.update(status=STATUS_DUPLICATE, duplicate_of=first_by_id[block_id][0])
-            item_block.append(None)
+            notes[rank]["status"] = STATUS_EMPTY
         else:
-            if block_id in first_by_id:
-                block_id, note["id_collision"] = f"{block_id}#{rank}", True
-            first_by_id.setdefault(block_id, (rank, text))
-            item_block.append(len(blocks))
-            blocks.append(Block(block_id, text, {"rank": rank}))
-        notes.append(note)
-    return BlockAssignment(tuple(blocks), tuple(item_block), tuple(notes))
+            candidates.append((rank, Block(block_id, text, {"rank": rank})))
+    resolved = resolve_blocks([block for _, block in candidates])
+    item_block: list[int | None] = [None] * len(entries)
+    first_rank: dict[int, int] = {}
+    for (rank, block), index in zip(candidates, resolved.item_block):
+        if index in first_rank:
+            notes[rank].update(status=STATUS_DUPLICATE, duplicate_of=first_rank[index])
+            continue
+        first_rank[index] = rank
+        item_block[rank] = index
+        if resolved.blocks[index].id != block.id:
+            notes[rank]["id_collision"] = True
+    return BlockAssignment(resolved.blocks, tuple(item_block), tuple(notes))
 
 
 def decision_fields(turn: PreparedTurnLike, decision: DecisionLike) -> dict[str, Any]:
@@ -173,9 +173,7 @@ def passthrough_messages(
     messages: list[dict[str, str]] = []
     if system_prompt:
         messages.append({"role": "system", "content": system_prompt})
-    messages.extend(
-        {"role": str(message["role"]), "content": str(message["content"])} for message in history or ()
-    )
+    messages.extend(dict(message) for message in history or ())  # every field, as given
     shown = [format_block(block.label, block.text) for block in blocks]
     messages.append({"role": "user", "content": build_user_message(shown, [], None, query)})
     return messages

@@ -6,6 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cpmemory import Block, normalize_blocks
+from cpmemory.core.blocks import resolve_blocks
 from cpmemory.core.blocks import LABEL_HEX_DIGITS, content_hash, to_block
 from cpmemory.errors import InvalidBlockError, InvalidInputError
 
@@ -46,10 +47,20 @@ def test_invalid_block_error_is_a_value_error():
     assert issubclass(InvalidBlockError, InvalidInputError) and issubclass(InvalidBlockError, ValueError)
 
 
-def test_normalize_keeps_first_of_duplicate_ids_and_empty_lists():
-    blocks = normalize_blocks([("a", "first"), ("b", "x"), ("a", "second")])
-    assert [(b.id, b.text) for b in blocks] == [("a", "first"), ("b", "x")]
+def test_repeated_id_with_other_text_is_kept_under_a_free_id_and_same_text_once():
+    blocks = normalize_blocks([("a", "first"), ("b", "x"), ("a", "second"), ("a", "first"), ("a", "second")])
+    assert [b.text for b in blocks] == ["first", "x", "second"]
+    assert blocks[0].id == "a" and blocks[2].id.startswith("a#") and len({b.id for b in blocks}) == 3
     assert normalize_blocks([]) == []
+
+
+def test_renamed_ids_never_collide_with_given_ids():
+    renamed = "a#" + Block("a", "third").content_hash[:8]
+    pairs = [("a", "one"), (renamed, "two"), ("a", "third")]
+    resolved = resolve_blocks(pairs)
+    assert [b.text for b in resolved.blocks] == ["one", "two", "third"]
+    assert len({b.id for b in resolved.blocks}) == 3 and resolved.blocks[1].id == renamed
+    assert resolved.item_block == (0, 1, 2)
 
 
 def test_normalize_rejects_a_bare_string_and_reports_before_returning():
@@ -62,15 +73,15 @@ def test_normalize_rejects_a_bare_string_and_reports_before_returning():
 @settings(max_examples=100, deadline=None)
 @given(st.lists(st.tuples(st.text(max_size=8), st.text(max_size=20)), max_size=30))
 def test_normalize_is_order_preserving_and_unique(pairs):
-    blocks = normalize_blocks(pairs)
-    ids = [b.id for b in blocks]
+    resolved = resolve_blocks(pairs)
+    ids = [b.id for b in resolved.blocks]
     assert len(ids) == len(set(ids))
-    first_seen = list(dict.fromkeys(i for i, _ in pairs))
-    assert ids == first_seen
-    first_text = {}
-    for i, t in pairs:
-        first_text.setdefault(i, t)
-    assert all(b.text == first_text[b.id] for b in blocks)
+    # every distinct (id, text) is one block, in order of first occurrence; every item maps to its own text
+    assert [b.text for b in resolved.blocks] == [t for _, t in dict.fromkeys(pairs)]
+    assert all(resolved.blocks[resolved.item_block[r]].text == t for r, (_, t) in enumerate(pairs))
+    given = {i for i, _ in pairs}
+    for block, (i, _) in zip(resolved.blocks, dict.fromkeys(pairs)):
+        assert block.id == i or (block.id.startswith(i + "#") and block.id not in given)
 
 
 @pytest.mark.parametrize("bad", [False, 3, 2.5, None, object()])

@@ -86,20 +86,86 @@ def to_block(value: BlockLike) -> Block:
     return Block(block_id, text, metadata)
 
 
-def normalize_blocks(values: Iterable[BlockLike]) -> list[Block]:
-    """Coerce ``values`` into Blocks, keeping the first (best-ranked) of any repeated id.
+RENAME_MARK = "#"
+"""A repeated id with another text is renamed ``"<id>#<hex digits of the text's content hash>"``."""
 
-    Does not mutate anything. O(n). Raises InvalidBlockError on the first unusable value, before returning anything.
+
+@dataclass(frozen=True, slots=True)
+class ResolvedBlocks:
+    """A caller's block list with unique ids, and where each caller item went (:func:`resolve_blocks`).
+
+    Attributes:
+        blocks: the blocks, ids unique, in relevance order (the order of their first item).
+        item_block: for each caller item, the index of its block in ``blocks``.
     """
+
+    blocks: tuple[Block, ...]
+    item_block: tuple[int, ...]
+
+    def first_item(self, block_index: int) -> int:
+        """The rank of the first caller item of a block. O(n)."""
+        return self.item_block.index(block_index)
+
+    def duplicate_of(self, rank: int) -> int | None:
+        """The rank of the earlier item this item repeats (same id, same text), or None."""
+        first = self.first_item(self.item_block[rank])
+        return None if first == rank else first
+
+
+def _as_list(values: Iterable[BlockLike]) -> list[Block]:
     if isinstance(values, (str, bytes, Mapping)):
         raise InvalidBlockError("blocks must be a list of blocks, not a single string or mapping")
     if not isinstance(values, Iterable):
         raise InvalidBlockError(f"blocks must be a list of blocks, got {type(values).__name__}")
-    seen: set[str] = set()
-    out: list[Block] = []
-    for value in values:
-        block = to_block(value)
-        if block.id not in seen:
-            seen.add(block.id)
-            out.append(block)
-    return out
+    return [to_block(value) for value in values]
+
+
+def _free_id(block: Block, taken: set[str]) -> str:
+    digest = block.content_hash
+    for digits in (8, 16, len(digest)):
+        candidate = f"{block.id}{RENAME_MARK}{digest[:digits]}"
+        if candidate not in taken:
+            return candidate
+    number = 2
+    while f"{block.id}{RENAME_MARK}{digest}{RENAME_MARK}{number}" in taken:
+        number += 1
+    return f"{block.id}{RENAME_MARK}{digest}{RENAME_MARK}{number}"
+
+
+def resolve_blocks(values: Iterable[BlockLike]) -> ResolvedBlocks:
+    """Coerce ``values`` into Blocks with unique ids: the one rule for repeated ids (facade, proxy, adapters).
+
+    * an id seen before with the same text -> the same block (the item is a duplicate of the first);
+    * an id seen before with another text -> its own block, renamed ``"<id>#<8 hex digits of its content hash>"``
+      (longer, then numbered, when that id is taken by any item of the list or an earlier rename), so it keeps its
+      own label and decision and the same text gets the same id on every turn;
+    * anything else -> the block as given.
+
+    Does not mutate anything. O(n). Raises InvalidBlockError on the first unusable value, before returning anything.
+    """
+    given = _as_list(values)
+    taken = {block.id for block in given}
+    where: dict[tuple[str, str], int] = {}  # (caller id, text) -> block index
+    first_text: dict[str, str] = {}
+    blocks: list[Block] = []
+    item_block: list[int] = []
+    for block in given:
+        key = (block.id, block.text)
+        if key not in where:
+            if first_text.setdefault(block.id, block.text) != block.text:
+                renamed = _free_id(block, taken)
+                taken.add(renamed)
+                block = Block(renamed, block.text, block.metadata)
+            where[key] = len(blocks)
+            blocks.append(block)
+        item_block.append(where[key])
+    return ResolvedBlocks(tuple(blocks), tuple(item_block))
+
+
+def normalize_blocks(values: Iterable[BlockLike]) -> list[Block]:
+    """Coerce ``values`` into Blocks with unique ids (:func:`resolve_blocks`: a repeated id with the same text is
+    kept once, with another text it is renamed and kept).
+
+    Does not mutate anything. O(n). Raises InvalidBlockError on the first unusable value, before returning anything.
+    """
+    return list(resolve_blocks(values).blocks)

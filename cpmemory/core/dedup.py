@@ -210,11 +210,12 @@ class SegmentIndex:
     messages: a cached index that grew for a longer history stays correct for a request sending a shorter one.
     """
 
-    __slots__ = ("_holders", "_labels", "_limit", "_messages")
+    __slots__ = ("_holders", "_labels", "_limit", "_messages", "_repeated")
 
     def __init__(self) -> None:
         self._holders: dict[str, tuple[str, int]] = {}
         self._labels: dict[str, int] = {}
+        self._repeated: dict[str, int] = {}  # label -> message holding its second header
         self._messages = 0
         self._limit: int | None = None
 
@@ -234,19 +235,26 @@ class SegmentIndex:
         """Index further messages (mutates; the caller serialises concurrent extends)."""
         for message in messages:
             if message.get("role") == "user":
-                _index_message(message.get("content", ""), self._holders, self._labels, self._messages)
+                _index_message(
+                    message.get("content", ""), self._holders, (self._labels, self._repeated), self._messages
+                )
             self._messages += 1
 
     def limited_to(self, messages: int) -> SegmentIndex:
         """A read-only view that only sees segments of the first ``messages`` messages (O(1), shares the dict)."""
         view = SegmentIndex.__new__(SegmentIndex)
-        view._holders, view._labels = self._holders, self._labels
+        view._holders, view._labels, view._repeated = self._holders, self._labels, self._repeated
         view._messages, view._limit = min(messages, self._messages), messages
         return view
 
     def has_header(self, label: str) -> bool:
         """True when a user message of the history has a block header with ``label``. O(1)."""
         found = self._labels.get(label)
+        return found is not None and (self._limit is None or found < self._limit)
+
+    def header_repeated(self, label: str) -> bool:
+        """True when the history has two or more block headers with ``label`` (maybe two texts). O(1)."""
+        found = self._repeated.get(label)
         return found is not None and (self._limit is None or found < self._limit)
 
     def holder(self, segment: str) -> str | None:
@@ -261,13 +269,20 @@ class SegmentIndex:
 
 
 def _index_message(
-    content: str, holders: dict[str, tuple[str, int]], labels: dict[str, int], position: int
+    content: str,
+    holders: dict[str, tuple[str, int]],
+    headers: tuple[dict[str, int], dict[str, int]],
+    position: int,
 ) -> None:
+    labels, repeated = headers
     current: str | None = None
     for line in content.split("\n"):
         if line.startswith("[D") and line.endswith("]") and annotations.HEADER_RE.fullmatch(line):
             current = line[1:-1]
-            labels.setdefault(current, position)
+            if current in labels:
+                repeated.setdefault(current, position)
+            else:
+                labels[current] = position
         elif line.startswith(_STOP_LINE_PREFIXES) or line.endswith(annotations.REFERENCE_SUFFIX):
             current = None
         elif current is not None and len(line) >= MIN_SEGMENT_CHARS:

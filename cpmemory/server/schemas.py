@@ -126,6 +126,7 @@ class BlockDecisionOut(BaseModel):
     original_rank: int
     prompt_position: int | None
     saved_chars: int = 0
+    duplicate_of: int | None = None
 
 
 class TurnInfo(BaseModel):

@@ -22,7 +22,7 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from cpmemory.core.blocks import Block, normalize_blocks
+from cpmemory.core.blocks import Block, to_block
 from cpmemory.errors import EngineError, InvalidInputError, ReservationError, StoreUnavailableError
 from cpmemory.routing.chain_of_agents import completion_text, usage_tokens
 from cpmemory.routing.dispatch import NO_HINT, Dispatcher, DispatchResult, RouteHint, StreamDispatch
@@ -59,7 +59,7 @@ class TurnInput:
     query: str
     blocks: tuple[Block, ...]
     system_prompt: str | None
-    history: tuple[dict[str, str], ...] | None
+    history: tuple[dict[str, Any], ...] | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,7 +70,8 @@ class TurnOutcome:
 
 
 def message_text(message: ChatMessage) -> str:
-    """Return a message's text; list content must be text parts only (InvalidInputError otherwise)."""
+    """Return a message's text (text parts joined by line breaks); list content must be text parts only
+    (InvalidInputError otherwise)."""
     content = message.content
     if content is None:
         return ""
@@ -81,18 +82,20 @@ def message_text(message: ChatMessage) -> str:
         if part.get("type") != "text" or not isinstance(part.get("text"), str):
             raise InvalidInputError("cpmemory turns accept text content only")
         texts.append(part["text"])
-    return "".join(texts)
+    return "\n".join(texts)
 
 
 def turn_input(request: ChatCompletionRequest, header_conversation: str | None) -> TurnInput:
     """Split a chat request into system prompt, history and query for ``prepare``. Pure.
 
-    Leading system messages form the system prompt; the last user message is the query unless the extension gives
-    one; the messages in between are the client's own history (None when there is none: the stored transcript is
-    used).
+    Leading system messages form the system prompt. The query is ``cpmemory.query`` when given, else the last
+    message's text when it is a user message. Every other message is the client's own history, sent as given
+    (every field: tool calls, tool call ids, names, content parts); None when there is none (the stored transcript
+    is used). A message is never dropped: with ``cpmemory.query`` a final user message stays in the history.
+    Blocks are passed as given (repeated ids are resolved by the facade, one decision per block).
 
     Raises:
-        InvalidInputError: no conversation id, no query, or non-text content.
+        InvalidInputError: no conversation id, no query, or non-text content in the system prompt or the query.
     """
     extension = request.cpmemory
     conversation_id = (extension.conversation_id if extension else None) or header_conversation
@@ -103,13 +106,12 @@ def turn_input(request: ChatCompletionRequest, header_conversation: str | None) 
     while messages and messages[0].role == "system":
         system_parts.append(message_text(messages.pop(0)))
     query = extension.query if extension else None
-    if messages and messages[-1].role == "user":
-        last = message_text(messages.pop())
-        query = query if query is not None else last
+    if query is None and messages and messages[-1].role == "user":
+        query = message_text(messages.pop())
     if query is None:
         raise InvalidInputError("a cpmemory turn needs a final user message or cpmemory.query")
-    history = tuple({"role": m.role, "content": message_text(m)} for m in messages)
-    blocks = normalize_blocks(block.model_dump() for block in extension.blocks) if extension else []
+    history = tuple(message.model_dump(exclude_unset=True) for message in messages)
+    blocks = [to_block(block.model_dump()) for block in extension.blocks] if extension else []
     return TurnInput(
         conversation_id, query, tuple(blocks), "\n\n".join(system_parts) or None, history or None
     )
@@ -331,6 +333,7 @@ def decision_dict(item: Any) -> dict[str, Any]:
         "original_rank": int(item.original_rank),
         "prompt_position": None if item.prompt_position is None else int(item.prompt_position),
         "saved_chars": int(getattr(item, "saved_chars", 0)),
+        "duplicate_of": getattr(item, "duplicate_of", None),
     }
 
 

@@ -6,13 +6,14 @@ placement, ordering, prompt) ; commit = store.commit(``commit_record``) ; a stor
 
 from __future__ import annotations
 
+import copy
 import uuid
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from cpmemory.core import annotations
-from cpmemory.core.blocks import Block, BlockLike, normalize_blocks
+from cpmemory.core.blocks import Block, BlockLike, resolve_blocks
 from cpmemory.core.dedup import (
     CommittedHistory,
     DedupDecision,
@@ -21,6 +22,7 @@ from cpmemory.core.dedup import (
     SegmentIndex,
     Status,
     decide,
+    label_holds_only,
     partial_overlap,
 )
 from cpmemory.errors import InvalidBlockError, InvalidInputError
@@ -47,11 +49,16 @@ class BlockDecision:
         block_id: the caller's id (never shown to the model).
         label: the block's label in the prompt.
         status: "new", "referenced", "changed", "partial" or "resent" (see cpmemory.core.dedup).
-        original_rank: position in the caller's list (0 = most relevant), after dropping repeated ids.
+        original_rank: position of the item in the caller's list (0 = most relevant); there is one decision per
+            item, so ``decisions[rank]`` is the caller's item ``rank``.
         prompt_position: position of the block's entry among the prompt's labelled entries (blocks, then
             references); an in-request duplicate gets the position of the block it duplicates.
         content_hash: the block's content hash.
         saved_chars: characters not sent because of de-duplication.
+        duplicate_of: for an item whose text an earlier item of the request already brings (same text, under the
+            same id or another one): that item's rank; the item is "referenced" and shares its label and position.
+            A repeated id with another text is not a duplicate: its ``block_id`` is renamed (``"<id>#<hex>"``,
+            ``cpmemory.core.blocks.resolve_blocks``) and it gets its own label and decision.
     """
 
     block_id: str
@@ -61,6 +68,7 @@ class BlockDecision:
     prompt_position: int | None
     content_hash: str = ""
     saved_chars: int = 0
+    duplicate_of: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,8 +81,9 @@ class PreparedTurn:
         conversation_id: the conversation.
         turn: the number this turn gets if it is committed next (0 for a degraded turn).
         request_id: id of this request's leaf in the tenant's context index ("" when nothing was inserted).
-        messages: the chat messages to send, [{"role", "content"}, ...].
-        decisions: one per block, in original rank order.
+        messages: the chat messages to send: [{"role", "content"}, ...]; messages of a caller-given history are
+            sent as given (every field: tool calls, tool call ids, names, content parts).
+        decisions: one per caller item, in original rank order.
         prompt_order: ids of the blocks sent in full, in prompt order.
         search_path: the index search path of this request.
         degraded: True when the store failed and the turn is a pass-through (commit/abort are no-ops).
@@ -96,7 +105,7 @@ class PreparedTurn:
     conversation_id: str
     turn: int
     request_id: str
-    messages: list[dict[str, str]]
+    messages: list[dict[str, Any]]
     decisions: list[BlockDecision]
     prompt_order: list[str]
     search_path: tuple[int, ...] = ()
@@ -119,7 +128,13 @@ class PreparedTurn:
 
 @dataclass(frozen=True, slots=True)
 class TurnInput:
-    """A validated prepare call."""
+    """A validated prepare call.
+
+    Attributes:
+        blocks: the request's blocks, ids unique (``resolve_blocks``); ``items`` maps each caller item to one.
+        history: the caller-given history as dedup reads it (role and text), or None (the stored transcript).
+        given_history: the caller-given history as it is sent (every field of every message), or None.
+    """
 
     key: ConversationKey
     query: str
@@ -128,23 +143,49 @@ class TurnInput:
     history: tuple[Message, ...] | None
     system_prompt: str
     prompt_order: tuple[str, ...] | None
+    items: tuple[int, ...] = ()
+    given_history: tuple[Mapping[str, Any], ...] | None = None
 
 
-def _check_history(history: Iterable[Mapping[str, Any]]) -> tuple[Message, ...]:
-    if isinstance(history, (str, bytes, Mapping)):
-        raise InvalidInputError("history must be a list of {'role', 'content'} messages")
-    out: list[Message] = []
-    for position, message in enumerate(history):
-        if not isinstance(message, Mapping):
-            raise InvalidInputError(f"history[{position}] is not a mapping")
-        role, content = message.get("role"), message.get("content")
-        if not isinstance(role, str) or not isinstance(content, str):
-            raise InvalidInputError(f"history[{position}] needs string 'role' and 'content'")
-        out.append({"role": role, "content": content})
-    return tuple(out)
+def _is_list_like(value: Any) -> bool:
+    return isinstance(value, Iterable) and not isinstance(value, (str, bytes, Mapping))
 
 
-def _check_prompt_order(prompt_order: Iterable[Any], blocks: Sequence[Block]) -> tuple[str, ...]:
+def content_text(content: Any) -> str:
+    """The text of a message's content as the model reads it: the string, its text parts joined by line breaks."""
+    if isinstance(content, str):
+        return content
+    if content is None:
+        return ""
+    return "\n".join(part["text"] for part in content if part.get("type") == "text" and isinstance(part.get("text"), str))
+
+
+def _check_message(position: int, message: Any) -> Mapping[str, Any]:
+    if not isinstance(message, Mapping) or not all(isinstance(key, str) for key in message):
+        raise InvalidInputError(f"history[{position}] is not a mapping with string keys")
+    content = message.get("content")
+    if not isinstance(message.get("role"), str):
+        raise InvalidInputError(f"history[{position}] needs a string 'role'")
+    parts_ok = _is_list_like(content) and all(isinstance(part, Mapping) for part in content)
+    if not (isinstance(content, str) or parts_ok or (content is None and message["role"] == "assistant")):
+        raise InvalidInputError(
+            f"history[{position}]: 'content' must be a string or a list of parts (null only for an assistant)"
+        )
+    return {key: value if isinstance(value, str) else copy.deepcopy(value) for key, value in message.items()}
+
+
+def _check_history(history: Any) -> tuple[tuple[Message, ...], tuple[Mapping[str, Any], ...]]:
+    """(the history as dedup reads it: role and text; the history as sent: every field, copied)."""
+    if not _is_list_like(history):
+        raise InvalidInputError("history must be a list of {'role', 'content', ...} messages")
+    given = tuple(_check_message(position, message) for position, message in enumerate(history))
+    read = tuple({"role": m["role"], "content": content_text(m.get("content"))} for m in given)
+    return read, given
+
+
+def _check_prompt_order(prompt_order: Any, blocks: Sequence[Block]) -> tuple[str, ...]:
+    if not _is_list_like(prompt_order):
+        raise InvalidInputError(f"prompt_order must be a list of block ids, got {type(prompt_order).__name__}")
     known = {block.id for block in blocks}
     out: dict[str, None] = {}
     for value in prompt_order:
@@ -167,7 +208,7 @@ def make_input(
     prompt_order: Iterable[Any] | None,
     config: CpMemoryConfig,
 ) -> TurnInput:
-    """Validate and normalise a prepare call (first of a repeated id wins). Pure; raises InvalidInputError subclasses."""
+    """Validate and normalise a prepare call (repeated ids: ``resolve_blocks``). Pure; raises InvalidInputError."""
     key = ConversationKey(tenant, conversation_id)
     if not isinstance(query, str):
         raise InvalidInputError(f"query must be a string, got {type(query).__name__}")
@@ -175,16 +216,19 @@ def make_input(
         raise InvalidInputError("system_prompt must be a string")
     if blocks is None:
         raise InvalidBlockError("blocks must be a list (use [] for none)")
-    normalized = tuple(normalize_blocks(blocks))
-    order = None if prompt_order is None else _check_prompt_order(prompt_order, normalized)
+    resolved = resolve_blocks(blocks)
+    order = None if prompt_order is None else _check_prompt_order(prompt_order, resolved.blocks)
+    read, given = (None, None) if history is None else _check_history(history)
     return TurnInput(
         key=key,
         query=query,
-        blocks=normalized,
-        digests=tuple(block.content_hash for block in normalized),
-        history=None if history is None else _check_history(history),
+        blocks=resolved.blocks,
+        digests=tuple(block.content_hash for block in resolved.blocks),
+        history=read,
         system_prompt=config.system_prompt if system_prompt is None else system_prompt,
         prompt_order=order,
+        items=resolved.item_block,
+        given_history=given,
     )
 
 
@@ -231,6 +275,8 @@ def decide_blocks(
     view = history_view(sent, reservation, config)
     kwargs = {"seen_hashes": reservation.seen, "previous_hash_for_id": reservation.previous_hash_for_id}
     decisions = decide(turn_input.blocks, turn_input.digests, view, **kwargs)
+    if isinstance(view, CommittedHistory) and segments is not None:
+        _unique_references(turn_input.blocks, decisions, history, segments)
     wants_partial = (
         config.partial_overlap
         and history
@@ -245,6 +291,26 @@ def decide_blocks(
                 if decision.status == "new" and block.text:
                     decisions[i] = partial_overlap(block.text, segments, threshold) or decision
     return decisions
+
+
+def _unique_references(
+    blocks: Sequence[Block], decisions: list[DedupDecision], history: Sequence[Message], segments: SegmentIndex
+) -> None:
+    """Resend (in full) a block whose committed label heads another text too in the history sent (mutates).
+
+    Two overlapping turns can show two texts whose short labels collide (neither sees the other's uncommitted
+    blocks); once both are committed, a reference to that label would be ambiguous. O(1) per referenced block,
+    plus O(history) when its label heads more than one block of the history.
+    """
+    text = ""
+    for i, decision in enumerate(decisions):
+        if decision.status != "referenced" or decision.duplicate_of is not None:
+            continue
+        if not segments.header_repeated(decision.label):
+            continue
+        text = text or "\n\n".join(message["content"] for message in history)
+        if not label_holds_only(text, decision.label, blocks[i].text):
+            decisions[i] = DedupDecision("resent")
 
 
 def shown_indices(decisions: Sequence[DedupDecision]) -> list[int]:
@@ -303,19 +369,26 @@ def render_user_message(
             positions[i] = positions[decision.duplicate_of]
     relevance = list(dict.fromkeys(labels))
     appearance = list(dict.fromkeys([labels[i] for i in order] + references))
-    annotate = config.annotate_order and appearance != relevance
+    # A shown text holding a line that looks like the annotation: the real one is always written (right before
+    # the question), so the line before the question is never block text.
+    lookalike = any(annotations.ORDER_PREFIX in section for section in sections)
+    annotate = config.annotate_order and (appearance != relevance or (lookalike and bool(relevance)))
     text = annotations.build_user_message(
         sections, references, relevance if annotate else None, turn_input.query, appearance
     )
     return text, positions, annotate
 
 
-def assemble_messages(system_prompt: str, history: Sequence[Message], user: str) -> list[dict[str, str]]:
-    """System prompt (unless the history starts with one), the history unchanged, then the user message."""
-    messages: list[dict[str, str]] = []
+def assemble_messages(
+    system_prompt: str, history: Sequence[Mapping[str, Any]], user: str
+) -> list[dict[str, Any]]:
+    """System prompt (unless the history starts with one), the history unchanged (every field), then the user
+    message."""
+    messages: list[dict[str, Any]] = []
     if not (history and history[0]["role"] == "system"):
         messages.append({"role": "system", "content": system_prompt})
-    messages.extend({"role": m["role"], "content": m["content"]} for m in history)
+    messages.extend(copy.deepcopy(dict(m)) if len(m) > 2 or not isinstance(m.get("content"), str) else dict(m)
+                    for m in history)
     messages.append({"role": "user", "content": user})
     return messages
 
@@ -358,7 +431,7 @@ def plan_turn(
         conversation_id=turn_input.key.conversation,
         turn=reservation.turn + 1,
         request_id=request_id,
-        messages=assemble_messages(turn_input.system_prompt, sent.messages, text),
+        messages=assemble_messages(turn_input.system_prompt, _delivered(turn_input, sent), text),
         decisions=_block_decisions(turn_input, decisions, positions, labels),
         prompt_order=[turn_input.blocks[i].id for i in order if decisions[i].in_full],
         dropped_turns=sent.dropped_turns,
@@ -382,18 +455,39 @@ def _sizes(turn_input: TurnInput, shown: Sequence[int], context: Sequence[str]) 
     return [float(length[key]) for key in context]
 
 
+def _delivered(turn_input: TurnInput, sent: SentHistory) -> Sequence[Mapping[str, Any]]:
+    """The history messages to send: a caller-given history as given, else the stored transcript (window)."""
+    if not sent.stored and turn_input.given_history is not None:
+        return turn_input.given_history
+    return sent.messages
+
+
 def _block_decisions(
     turn_input: TurnInput,
     decisions: Sequence[DedupDecision],
     positions: Sequence[int | None],
     labels: Sequence[str],
 ) -> list[BlockDecision]:
-    return [
-        BlockDecision(block.id, label, decision.status, rank, position, digest, decision.saved_chars)
-        for rank, (block, digest, decision, position, label) in enumerate(
-            zip(turn_input.blocks, turn_input.digests, decisions, positions, labels)
+    """One decision per caller item (an item repeating an earlier one is a "referenced" duplicate of it)."""
+    items = turn_input.items or tuple(range(len(turn_input.blocks)))
+    first: dict[int, int] = {}
+    out: list[BlockDecision] = []
+    for rank, index in enumerate(items):
+        block, digest, decision = turn_input.blocks[index], turn_input.digests[index], decisions[index]
+        if index in first:
+            decision = DedupDecision("referenced", index, saved_chars=len(block.text))
+            duplicate_of: int | None = first[index]
+        else:
+            first[index] = rank
+            earlier = decision.duplicate_of
+            duplicate_of = None if earlier is None else first.get(earlier, earlier)
+        out.append(
+            BlockDecision(
+                block.id, labels[index], decision.status, rank, positions[index], digest,
+                decision.saved_chars, duplicate_of,
+            )
         )
-    ]
+    return out
 
 
 def degraded_turn(turn_input: TurnInput, config: CpMemoryConfig) -> PreparedTurn:
@@ -403,7 +497,7 @@ def degraded_turn(turn_input: TurnInput, config: CpMemoryConfig) -> PreparedTurn
     context = LabelContext(digits=config.label_digits, longer=config.collision_label_digits)
     labels = assign_labels(turn_input.blocks, turn_input.digests, decisions, context)
     text, positions, _ = render_user_message(turn_input, decisions, order, config, labels)
-    history = turn_input.history or ()
+    history = turn_input.given_history or ()
     return PreparedTurn(
         reservation_id="",
         tenant=turn_input.key.tenant,

@@ -45,6 +45,9 @@ from cpmemory.types import (
 
 DEFAULT_MAX_TRANSCRIPT_TURNS = 1000
 """Default cap on the turns a store keeps per conversation (oldest trimmed first)."""
+FINISHED_MARKERS_KEPT = 256
+"""Committed and expired reservation ids each store remembers per conversation (a repeated commit of an id
+forgotten since raises UnknownReservationError); stores/lua/common.lua's DONE_KEEP is the same number."""
 
 
 def history_window_start(turns: int, history_turns: int | None) -> int:

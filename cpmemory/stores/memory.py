@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from cpmemory.errors import InvalidInputError, ReservationExpiredError, UnknownReservationError
 from cpmemory.stores.base import (
     DEFAULT_MAX_TRANSCRIPT_TURNS,
+    FINISHED_MARKERS_KEPT,
     ConversationKey,
     ConversationState,
     Message,
@@ -31,7 +32,7 @@ from cpmemory.stores.base import (
 )
 
 SWEEP_EVERY = 1024
-MAX_FINISHED_MARKERS = 1024
+MAX_FINISHED_MARKERS = FINISHED_MARKERS_KEPT  # committed + expired ids remembered, as the Redis store (DONE_KEEP)
 
 Clock = Callable[[], float]
 
@@ -49,19 +50,30 @@ class _Conversation:
     search_paths: list[tuple[int, ...]] = field(default_factory=list)  # per stored turn
     reservations: dict[str, float] = field(default_factory=dict)  # id -> deadline
     committed: OrderedDict[str, int] = field(default_factory=OrderedDict)  # id -> turn (double commit)
-    expired: OrderedDict[str, None] = field(default_factory=OrderedDict)  # ids that timed out
+    expired: OrderedDict[str, int] = field(default_factory=OrderedDict)  # ids that timed out -> turns then
 
     def purge_reservations(self, now: float) -> None:
         for reservation_id, deadline in list(self.reservations.items()):
             if deadline < now:
                 del self.reservations[reservation_id]
-                _remember(self.expired, reservation_id, None)
+                _remember(self, self.expired, reservation_id)
+
+    def finished(self) -> int:
+        return len(self.committed) + len(self.expired)
 
 
-def _remember(markers: OrderedDict, key: str, value: object) -> None:
-    markers[key] = value
-    while len(markers) > MAX_FINISHED_MARKERS:
-        markers.popitem(last=False)
+def _remember(conversation: _Conversation, markers: OrderedDict, key: str, turn: int | None = None) -> None:
+    """Remember a committed (its turn) or expired (the turns then) id; beyond MAX_FINISHED_MARKERS in all, forget
+    the one with the lowest turn, a committed id first on a tie: what the Redis store's sorted set does."""
+    markers[key] = conversation.turns if turn is None else turn
+    committed, expired = conversation.committed, conversation.expired
+    while conversation.finished() > MAX_FINISHED_MARKERS:
+        oldest_commit = next(iter(committed.values())) if committed else None
+        oldest_expiry = next(iter(expired.values())) if expired else None
+        if oldest_expiry is None or (oldest_commit is not None and oldest_commit <= oldest_expiry):
+            committed.popitem(last=False)
+        else:
+            expired.popitem(last=False)
 
 
 class InMemorySessionStore:
@@ -202,7 +214,7 @@ def _apply(conversation: _Conversation, reservation_id: str, record: TurnRecord,
         )
         conversation.ids[shown.block_id] = shown.content_hash
     conversation.search_paths.append(tuple(record.search_path))
-    _remember(conversation.committed, reservation_id, turn)
+    _remember(conversation, conversation.committed, reservation_id, turn)
     _trim(conversation, max(turn - max_turns, min(record.trim_before, turn - 1)))
     return turn
 

@@ -303,6 +303,8 @@ class DirectScriptRunner:
     handed back to the pool; a ``ConnectionError`` (a stale socket after a server restart, or a refused connect)
     is retried on a fresh connection ``retries`` times (at least once). ``NOSCRIPT`` loads the script on the same
     connection and retries, so a restarted server recovers by itself. After a fork the idle stack is dropped.
+    The idle stack belongs to the pool, shared by every runner (store) on it: many stores on one client hold no
+    more connections than run at once, so they never run a bounded pool dry.
     """
 
     def __init__(self, client: Any, scripts: dict[str, Any], retries: int) -> None:
@@ -311,7 +313,7 @@ class DirectScriptRunner:
 
         self._pool = client.connection_pool
         self._scripts = scripts
-        self._idle: list[Any] = []
+        self._idle: list[Any] = _idle_stack(self._pool)
         self._pid = os.getpid()
         self._attempts = 1 + max(1, retries)
         self._retryable = RedisConnectionError
@@ -336,7 +338,7 @@ class DirectScriptRunner:
 
     def _checkout(self) -> Any:
         if self._pid != os.getpid():  # never share a parent's sockets
-            self._idle, self._pid = [], os.getpid()
+            self._idle, self._pid = _idle_stack(self._pool), os.getpid()
         try:
             return self._idle.pop()
         except IndexError:
@@ -354,9 +356,24 @@ class DirectScriptRunner:
 
     def close(self) -> None:
         """Hand the idle connections back to the pool."""
-        idle, self._idle = self._idle, []
-        for connection in idle:
+        while True:
+            try:
+                connection = self._idle.pop()
+            except IndexError:
+                return
             self._pool.release(connection)
+
+
+_IDLE_ATTRIBUTE = "_cpmemory_idle_connections"
+
+
+def _idle_stack(pool: Any) -> list[Any]:
+    """The idle connections of ``pool`` shared by the DirectScriptRunners on it, one stack per process."""
+    entry = getattr(pool, _IDLE_ATTRIBUTE, None)
+    if entry is None or entry[0] != os.getpid():
+        entry = (os.getpid(), [])
+        setattr(pool, _IDLE_ATTRIBUTE, entry)
+    return entry[1]
 
 
 def _direct_runner(client: Any, scripts: dict[str, Any], retries: int) -> DirectScriptRunner | None:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from langchain_core.documents import Document
-from langchain_core.messages import AIMessage, BaseMessage, HumanMessage, SystemMessage
+from langchain_core.messages import BaseMessage, convert_to_messages, convert_to_openai_messages
 from langchain_core.runnables import RunnableConfig
 
 from cpmemory.errors import InvalidInputError
@@ -27,8 +27,6 @@ from integrations._common import (
 
 METADATA_KEY = "cpmemory"
 """Where a Document carries what cpmemory decided for it."""
-
-_ROLE_OF_TYPE = {"human": "user", "ai": "assistant", "system": "system", "tool": "tool"}
 
 
 def conversation_from_config(config: RunnableConfig | Mapping[str, Any] | None, key: str) -> str | None:
@@ -135,33 +133,29 @@ def relevance_order(documents: Sequence[Document]) -> list[Document]:
     return [document for _, document in sorted(enumerate(documents), key=rank)]
 
 
-def messages_to_dicts(history: Sequence[BaseMessage] | None) -> list[dict[str, str]] | None:
-    """Convert LangChain messages to ``{"role", "content"}`` dicts (text content only). Pure."""
+def messages_to_dicts(history: Sequence[BaseMessage] | None) -> list[dict[str, Any]] | None:
+    """Convert LangChain messages to OpenAI-style dicts, every field kept (tool calls, tool call ids, names,
+    content parts). Pure; raises InvalidInputError for an item that is not a LangChain message."""
     if history is None:
         return None
-    out = []
     for message in history:
         if not isinstance(message, BaseMessage):
             raise InvalidInputError(f"history items must be LangChain messages, got {type(message).__name__}")
-        role = _ROLE_OF_TYPE.get(message.type, message.type)
-        out.append(
-            {"role": role, "content": message.text if hasattr(message, "text") else str(message.content)}
-        )
-    return out
+    return [dict(message) for message in convert_to_openai_messages(list(history))]
 
 
-def dicts_to_messages(messages: Sequence[Mapping[str, str]]) -> list[BaseMessage]:
-    """Convert ``{"role", "content"}`` dicts (the facade's messages) to LangChain messages. Pure."""
-    out: list[BaseMessage] = []
-    for message in messages:
-        role, content = message["role"], message["content"]
-        if role == "system":
-            out.append(SystemMessage(content=content))
-        elif role == "assistant":
-            out.append(AIMessage(content=content))
-        else:
-            out.append(HumanMessage(content=content))
-    return out
+def dicts_to_messages(messages: Sequence[Mapping[str, Any]]) -> list[BaseMessage]:
+    """Convert OpenAI-style dicts (the facade's messages) to LangChain messages: an assistant's tool calls and a
+    tool message's ``tool_call_id`` survive the round trip with :func:`messages_to_dicts`. Pure."""
+    return list(convert_to_messages([dict(message) for message in messages]))
+
+
+def same_documents(assignment: BlockAssignment, turn: PreparedTurnLike) -> bool:
+    """True when the blocks of ``assignment`` are exactly the blocks ``turn`` was prepared with (ids and texts, in
+    any order): then the turn's prompt is the prompt of these documents. Pure; O(n log n)."""
+    given = sorted((block.id, block.content_hash) for block in assignment.blocks)
+    prepared = sorted((d.block_id, getattr(d, "content_hash", "")) for d in turn.decisions)
+    return given == prepared
 
 
 @dataclass(frozen=True, slots=True)

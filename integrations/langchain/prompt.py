@@ -10,8 +10,9 @@
 
 Which prompt is built:
 
-1. Documents from a :class:`~integrations.langchain.retriever.CpMemoryRetriever` sharing this runnable's pending
-   turns, with no ``history`` given: the turn the retriever prepared is used as is (no second prepare).
+1. The documents a :class:`~integrations.langchain.retriever.CpMemoryRetriever` sharing this runnable's pending
+   turns returned (same ids and texts, in any order), with no ``history`` given: the turn the retriever prepared
+   is used as is (no second prepare). Documents changed or dropped in between (a compressor, a filter) are case 2.
 2. Otherwise, with a conversation id in the config: the documents (put back in their relevance order) are
    prepared here, with ``history`` (LangChain messages) when given -- references then point only at text in it --
    or the conversation's stored transcript when not. A turn the retriever prepared for the conversation is aborted.
@@ -44,6 +45,7 @@ from integrations.langchain.documents import (
     documents_to_blocks,
     messages_to_dicts,
     relevance_order,
+    same_documents,
 )
 from integrations.langchain.turns import DEFAULT_CONVERSATION_KEY, TurnKeeper, acall_facade, call_facade
 
@@ -82,7 +84,8 @@ class CpMemoryPromptRunnable(TurnKeeper, Runnable[Mapping[str, Any], list[BaseMe
         self.system_prompt = system_prompt
 
     def _reusable(self, parsed: PromptInput, conversation: str | None) -> Any | None:
-        """The retriever's pending turn when ``parsed`` carries exactly its documents and no history."""
+        """The retriever's pending turn when ``parsed`` carries exactly its documents (same ids and texts, in any
+        order) and no history; documents a compressor or filter changed get a prompt of their own."""
         if conversation is None or parsed.history is not None:
             return None
         turn = self.pending.get(conversation)
@@ -91,7 +94,10 @@ class CpMemoryPromptRunnable(TurnKeeper, Runnable[Mapping[str, Any], list[BaseMe
         reservations = {
             (doc.metadata or {}).get(METADATA_KEY, {}).get("reservation_id") for doc in parsed.documents
         }
-        return turn if reservations == {turn.reservation_id} else None
+        if reservations != {turn.reservation_id}:
+            return None
+        assignment = documents_to_blocks(relevance_order(parsed.documents), self.id_key)
+        return turn if same_documents(assignment, turn) else None
 
     def _start(
         self, input: Mapping[str, Any], config: RunnableConfig | None

@@ -16,7 +16,7 @@ from langchain_core.messages import BaseMessage
 from langchain_core.runnables import RunnableConfig, RunnableLambda
 from langchain_core.runnables.config import ensure_config, run_in_executor
 
-from cpmemory.errors import InvalidInputError, UnknownReservationError
+from cpmemory.errors import CpMemoryError, InvalidInputError, ReservationError, UnknownReservationError
 from integrations._common import PendingTurns
 from integrations.langchain.documents import conversation_from_config
 
@@ -77,9 +77,18 @@ class TurnKeeper:
         """
         return conversation_from_config(ensure_config(config), self.conversation_key)
 
-    def _take(self, config: RunnableConfig | None, conversation_id: str | None) -> Any | None:
+    def _pending_turn(self, config: RunnableConfig | None, conversation_id: str | None) -> tuple[str, Any] | None:
         conversation = conversation_id or self.conversation_id(config)
-        return None if conversation is None else self.pending.pop(conversation)
+        if conversation is None:
+            return None
+        turn = self.pending.get(conversation)
+        return None if turn is None else (conversation, turn)
+
+    def _finished(self, conversation: str, turn: Any, error: BaseException | None = None) -> None:
+        """Drop the pending turn after its commit or abort, or a final error (the reservation is gone); after any
+        other error (bad answer, store down) it stays pending, so the commit can be retried or the turn aborted."""
+        if error is None or isinstance(error, ReservationError):
+            self.pending.discard(conversation, turn)
 
     def commit(
         self, answer: Any, config: RunnableConfig | None = None, *, conversation_id: str | None = None
@@ -91,29 +100,55 @@ class TurnKeeper:
         Raises:
             UnknownReservationError: the conversation has no pending turn.
         """
-        turn = self._to_commit(config, conversation_id)
-        return 0 if turn is None else int(call_facade(self.memory, "commit", turn, answer_text(answer)))
+        found = self._to_commit(config, conversation_id)
+        if found is None:
+            return 0
+        conversation, turn = found
+        text = answer_text(answer)
+        try:
+            number = int(call_facade(self.memory, "commit", turn, text))
+        except CpMemoryError as error:
+            self._finished(conversation, turn, error)
+            raise
+        self._finished(conversation, turn)
+        return number
 
     async def acommit(
         self, answer: Any, config: RunnableConfig | None = None, *, conversation_id: str | None = None
     ) -> int:
         """Async :meth:`commit`."""
-        turn = self._to_commit(config, conversation_id)
-        return (
-            0 if turn is None else int(await acall_facade(self.memory, "commit", turn, answer_text(answer)))
-        )
+        found = self._to_commit(config, conversation_id)
+        if found is None:
+            return 0
+        conversation, turn = found
+        text = answer_text(answer)
+        try:
+            number = int(await acall_facade(self.memory, "commit", turn, text))
+        except CpMemoryError as error:
+            self._finished(conversation, turn, error)
+            raise
+        self._finished(conversation, turn)
+        return number
 
     def abort(self, config: RunnableConfig | None = None, *, conversation_id: str | None = None) -> bool:
         """Drop the conversation's pending turn (records nothing); False when none was pending."""
-        turn = self._take(config, conversation_id)
-        return turn is not None and bool(call_facade(self.memory, "abort", turn))
+        found = self._pending_turn(config, conversation_id)
+        if found is None:
+            return False
+        released = bool(call_facade(self.memory, "abort", found[1]))
+        self._finished(*found)
+        return released
 
     async def aabort(
         self, config: RunnableConfig | None = None, *, conversation_id: str | None = None
     ) -> bool:
         """Async :meth:`abort`."""
-        turn = self._take(config, conversation_id)
-        return turn is not None and bool(await acall_facade(self.memory, "abort", turn))
+        found = self._pending_turn(config, conversation_id)
+        if found is None:
+            return False
+        released = bool(await acall_facade(self.memory, "abort", found[1]))
+        self._finished(*found)
+        return released
 
     def committer(self) -> RunnableLambda:
         """Return a Runnable for the end of an LCEL chain: commits the answer it receives and passes it on."""
@@ -128,15 +163,15 @@ class TurnKeeper:
 
         return RunnableLambda(commit_step, afunc=acommit_step, name="cpmemory_commit")
 
-    def _to_commit(self, config: RunnableConfig | None, conversation_id: str | None) -> Any | None:
-        """The pending turn to commit; None without a conversation id (pass-through: nothing to record)."""
+    def _to_commit(self, config: RunnableConfig | None, conversation_id: str | None) -> tuple[str, Any] | None:
+        """(conversation, its pending turn), not removed; None without a conversation id (pass-through)."""
         conversation = conversation_id or self.conversation_id(config)
         if conversation is None:
             return None
-        turn = self.pending.pop(conversation)
+        turn = self.pending.get(conversation)
         if turn is None:
             raise UnknownReservationError(f"no pending turn for conversation {conversation!r}")
-        return turn
+        return conversation, turn
 
     def _replace(self, conversation: str, turn: Any) -> Any | None:
         """Record ``turn`` as pending; return the replaced (now stale) turn for the caller to abort."""

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from cpmemory.core.blocks import Block
-from cpmemory.errors import UnknownReservationError
+from cpmemory.errors import CpMemoryError, InvalidInputError, ReservationError, UnknownReservationError
 from integrations._common import (
     PassthroughWarning,
     PendingTurns,
@@ -141,22 +141,29 @@ class _Mem0Adapter:
         turn = self._pending.get(conversation_id)
         return None if isinstance(turn, PassthroughTurn) else turn
 
-    def _take(self, conversation_id: str | None) -> Any | None:
-        return self._pending.pop(_PASSTHROUGH_KEY if conversation_id is None else conversation_id)
+    @staticmethod
+    def _key(conversation_id: str | None) -> str:
+        return _PASSTHROUGH_KEY if conversation_id is None else conversation_id
 
-    def _to_commit(self, conversation_id: str | None) -> Any | None:
-        """The prepared turn to commit; None for a pass-through turn (nothing to record)."""
-        turn = self._take(conversation_id)
-        if isinstance(turn, PassthroughTurn):
-            return None
+    def _to_commit(self, answer: Any, conversation_id: str | None) -> tuple[str, Any]:
+        """(pending key, the pending turn: a PreparedTurn or a PassthroughTurn). Removes nothing: the turn is
+        dropped only once its commit succeeded (:meth:`_finished`), so a failed commit can be retried or aborted.
+
+        Raises:
+            InvalidInputError: ``answer`` is not a string. UnknownReservationError: nothing is pending.
+        """
+        if not isinstance(answer, str):
+            raise InvalidInputError(f"answer must be a string, got {type(answer).__name__}")
+        key = self._key(conversation_id)
+        turn = self._pending.get(key)
         if turn is None:
             raise UnknownReservationError(f"no pending Mem0 search for conversation {conversation_id!r}")
-        return turn
+        return key, turn
 
-    def _to_abort(self, conversation_id: str | None) -> tuple[bool, Any | None]:
-        """(whether a turn was pending, the prepared turn to release or None for a pass-through turn)."""
-        turn = self._take(conversation_id)
-        return turn is not None, None if isinstance(turn, PassthroughTurn) else turn
+    def _finished(self, key: str, turn: Any, error: BaseException | None = None) -> None:
+        """Drop the pending turn after its commit or abort, or after a final error (the reservation is gone)."""
+        if error is None or isinstance(error, ReservationError):
+            self._pending.discard(key, turn)
 
     def _search_setup(
         self,
@@ -240,13 +247,27 @@ class CpMemoryMem0(_Mem0Adapter):
         Raises:
             UnknownReservationError: nothing is pending for the conversation.
         """
-        turn = self._to_commit(conversation_id)
-        return 0 if turn is None else int(self._cpmemory.commit(turn, answer))
+        key, turn = self._to_commit(answer, conversation_id)
+        if isinstance(turn, PassthroughTurn):
+            self._finished(key, turn)
+            return 0
+        try:
+            number = int(self._cpmemory.commit(turn, answer))
+        except CpMemoryError as error:
+            self._finished(key, turn, error)
+            raise
+        self._finished(key, turn)
+        return number
 
     def abort(self, *, conversation_id: str | None = None) -> bool:
         """Drop the conversation's pending turn (nothing is recorded); False when none was pending."""
-        pending, turn = self._to_abort(conversation_id)
-        return pending if turn is None else bool(self._cpmemory.abort(turn))
+        key = self._key(conversation_id)
+        turn = self._pending.get(key)
+        if turn is None:
+            return False
+        released = True if isinstance(turn, PassthroughTurn) else bool(self._cpmemory.abort(turn))
+        self._finished(key, turn)
+        return released
 
     # Mem0 methods passed through unchanged (listed for typing and discoverability).
     def add(self, messages: Any, **kwargs: Any) -> Any:
@@ -333,13 +354,27 @@ class AsyncCpMemoryMem0(_Mem0Adapter):
 
     async def commit(self, answer: str, *, conversation_id: str | None = None) -> int:
         """Async :meth:`CpMemoryMem0.commit`."""
-        turn = self._to_commit(conversation_id)
-        return 0 if turn is None else int(await self._cpmemory.commit(turn, answer))
+        key, turn = self._to_commit(answer, conversation_id)
+        if isinstance(turn, PassthroughTurn):
+            self._finished(key, turn)
+            return 0
+        try:
+            number = int(await self._cpmemory.commit(turn, answer))
+        except CpMemoryError as error:
+            self._finished(key, turn, error)
+            raise
+        self._finished(key, turn)
+        return number
 
     async def abort(self, *, conversation_id: str | None = None) -> bool:
         """Async :meth:`CpMemoryMem0.abort`."""
-        pending, turn = self._to_abort(conversation_id)
-        return pending if turn is None else bool(await self._cpmemory.abort(turn))
+        key = self._key(conversation_id)
+        turn = self._pending.get(key)
+        if turn is None:
+            return False
+        released = True if isinstance(turn, PassthroughTurn) else bool(await self._cpmemory.abort(turn))
+        self._finished(key, turn)
+        return released
 
     async def add(self, messages: Any, **kwargs: Any) -> Any:
         """``AsyncMemory.add`` unchanged."""

@@ -125,10 +125,16 @@ def test_given_truncated_history_resends() -> None:
 
 def test_duplicate_ids_and_duplicate_content() -> None:
     mem = CpMemory()
-    turn = mem.prepare("c", "q", [("a", DOCS[1]), ("a", DOCS[2]), ("b", DOCS[1])])
-    assert [(d.block_id, d.status) for d in turn.decisions] == [("a", "new"), ("b", "referenced")]
+    items = [("a", DOCS[1]), ("a", DOCS[2]), ("b", DOCS[1]), ("a", DOCS[1])]
+    turn = mem.prepare("c", "q", items)
+    # a repeated id with another text is its own block (renamed id, own label); same text = one block, duplicates
+    assert [d.status for d in turn.decisions] == ["new", "new", "referenced", "referenced"]
+    assert turn.decisions[1].block_id.startswith("a#") and turn.decisions[1].label != turn.decisions[0].label
+    assert [d.duplicate_of for d in turn.decisions] == [None, None, 0, 0]
+    assert [d.original_rank for d in turn.decisions] == [0, 1, 2, 3]
     assert turn.messages[-1]["content"].count(DOCS[1]) == 1
-    assert DOCS[2] not in turn.messages[-1]["content"]
+    assert turn.messages[-1]["content"].count(DOCS[2]) == 1
+    assert check_no_loss(items, turn.messages).ok
 
 
 def test_bad_input_raises_typed_errors_and_changes_nothing() -> None:
