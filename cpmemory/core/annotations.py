@@ -52,6 +52,19 @@ _LABEL_IN_BRACKETS_RE = re.compile(r"\[(" + LABEL_PATTERN + r")\]")
 _BARE_LABEL_RE = re.compile(r"\b(" + LABEL_PATTERN + r")\b")
 
 
+def content_text(content: object) -> str:
+    """The text of a chat message's content as a model reads it: the string, or its text parts joined by line
+    breaks (other parts, e.g. images, have no text); "" for none. Pure."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, (list, tuple)):
+        return ""
+    return "\n".join(
+        part["text"] for part in content if isinstance(part, dict) and part.get("type") == "text"
+        and isinstance(part.get("text"), str)
+    )
+
+
 def block_header(label: str) -> str:
     """Return the header line that starts a block in the prompt."""
     return f"[{label}]"

@@ -21,10 +21,13 @@ the engine's tokenizer or with :func:`utf8_bytes` (a strict bound for any byte-l
 
 from __future__ import annotations
 
+import json
 import string
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
+from cpmemory.core.annotations import content_text
 from cpmemory.errors import PromptBudgetError, TokenCounterError
 
 TokenCounter = Callable[[str], int]
@@ -119,9 +122,16 @@ class PromptBudget:
         self.cache[text] = value
         return value
 
-    def message(self, message: Mapping[str, str]) -> int:
-        """Tokens of one chat message (content plus the per-message overhead)."""
-        return self.text(message["content"]) + self.overhead
+    def message(self, message: Mapping[str, Any]) -> int:
+        """Tokens of one chat message: its text, any other field (tool calls, ids, names) as JSON, the overhead."""
+        if len(message) == 2 and isinstance(message.get("content"), str):  # the common case: role and text
+            return self.text(message["content"]) + self.overhead
+        extra = {key: value for key, value in message.items() if key not in ("role", "content")}
+        parts = message.get("content")
+        if not isinstance(parts, (str, type(None))):  # content parts: the text ones as text, others as JSON
+            extra["content"] = [part for part in parts if not (isinstance(part, Mapping) and part.get("type") == "text")]
+        fields = self.text(json.dumps(extra, sort_keys=True, default=str)) if extra else 0
+        return self.text(content_text(parts)) + fields + self.overhead
 
     def messages(self, messages: Iterable[Mapping[str, str]]) -> int:
         """Tokens of a list of chat messages."""

@@ -151,15 +151,6 @@ def _is_list_like(value: Any) -> bool:
     return isinstance(value, Iterable) and not isinstance(value, (str, bytes, Mapping))
 
 
-def content_text(content: Any) -> str:
-    """The text of a message's content as the model reads it: the string, its text parts joined by line breaks."""
-    if isinstance(content, str):
-        return content
-    if content is None:
-        return ""
-    return "\n".join(part["text"] for part in content if part.get("type") == "text" and isinstance(part.get("text"), str))
-
-
 def _check_message(position: int, message: Any) -> Mapping[str, Any]:
     if not isinstance(message, Mapping) or not all(isinstance(key, str) for key in message):
         raise InvalidInputError(f"history[{position}] is not a mapping with string keys")
@@ -179,7 +170,7 @@ def _check_history(history: Any) -> tuple[tuple[Message, ...], tuple[Mapping[str
     if not _is_list_like(history):
         raise InvalidInputError("history must be a list of {'role', 'content', ...} messages")
     given = tuple(_check_message(position, message) for position, message in enumerate(history))
-    read = tuple({"role": m["role"], "content": content_text(m.get("content"))} for m in given)
+    read = tuple({"role": m["role"], "content": annotations.content_text(m.get("content"))} for m in given)
     return read, given
 
 
@@ -457,9 +448,13 @@ def _sizes(turn_input: TurnInput, shown: Sequence[int], context: Sequence[str]) 
 
 def _delivered(turn_input: TurnInput, sent: SentHistory) -> Sequence[Mapping[str, Any]]:
     """The history messages to send: a caller-given history as given, else the stored transcript (window)."""
-    if not sent.stored and turn_input.given_history is not None:
-        return turn_input.given_history
-    return sent.messages
+    given, read = turn_input.given_history, turn_input.history
+    if sent.stored or given is None or read is None:
+        return sent.messages
+    # a budget keeps a suffix of the given history (sent.messages is a tail of ``read``): send the same tail
+    kept = len(sent.messages)
+    assert kept <= len(given) and tuple(read[len(read) - kept :]) == tuple(sent.messages)
+    return given[len(given) - kept :]
 
 
 def _block_decisions(
