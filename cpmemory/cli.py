@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import typer
 
-from cpmemory.bench import conversation, core_bench, demo, load, replay, store_bench
+from cpmemory.bench import conversation, core_bench, demo, load, replay, serve, store_bench
 from cpmemory.server import command as serve_command
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Context reuse for long-context LLM agents.")
@@ -26,6 +26,9 @@ bench_app.command("conversation", help="One long conversation under a token budg
 bench_app.command("replay", help="Replay a trace or a real workload through every strategy.")(replay.command)
 bench_app.command("load", help="Concurrent conversations through the proxy: overhead, errors, lost blocks.")(
     load.command
+)
+bench_app.command("serve", help="Replay a trace through the proxy on real engines: TTFT, throughput, errors, lost.")(
+    serve.command
 )
 
 

@@ -10,6 +10,10 @@
   text is its title and all its evidence sentences (in first-seen order), identical wherever it is retrieved.
 * ``synthetic``: seeded Zipf popularity over a shared corpus (2,000 requests x 15 blocks by default); with
   ``turns_per_session > 1`` it is multi-turn and a share of each turn's blocks repeats earlier turns' blocks.
+* ``locomo_sessions``: LoCoMo with whole dialog sessions as memories (about 1,000 tokens each on the tiny model):
+  each QA question is one independent request whose blocks are the top-4 sessions of its conversation by BM25.
+* ``synthetic300``: the synthetic generator with every block 80 pseudo-words long (about 300 tokens on the tiny
+  model's tokenizer), 15 blocks per request.
 
 Loaders read only; they never write under the data directory.
 """
@@ -30,8 +34,10 @@ import numpy as np
 from cpmemory.bench.trace import Trace, TraceBlock, TraceRequest
 from cpmemory.errors import InvalidInputError, MissingDependencyError
 
-WORKLOADS = ("locomo", "mt_rag", "multihop", "synthetic")
+WORKLOADS = ("locomo", "mt_rag", "multihop", "synthetic", "locomo_sessions", "synthetic300")
 LOCOMO_TOP_K = 15
+LOCOMO_SESSIONS_TOP_K = 4
+SYNTHETIC300_WORDS = 80
 MT_RAG_CONCURRENCY = 32
 STAND_IN_TOKENS = 300
 
@@ -122,6 +128,37 @@ def load_locomo(data_dir: Path, *, limit_conversations: int | None = None) -> Tr
             blocks = tuple(turns[int(position)] for position in ranked[index])
             requests.append(TraceRequest(f"{sample['sample_id']}:q{index}", 0, question, blocks))
     return Trace("locomo", tuple(requests), multi_turn=False)
+
+
+def _locomo_sessions(sample: dict[str, Any]) -> list[TraceBlock]:
+    conversation = sample["conversation"]
+    numbers = sorted(int(key.split("_")[1]) for key in conversation
+                     if key.startswith("session_") and not key.endswith("date_time"))
+    blocks = []
+    for number in numbers:
+        lines = [f"Session {number} ({conversation.get(f'session_{number}_date_time', 'undated')})"]
+        for turn in conversation[f"session_{number}"]:
+            text = f"{turn['speaker']}: {turn['text']}"
+            if turn.get("blip_caption"):
+                text += f" [shares an image: {turn['blip_caption']}]"
+            lines.append(text)
+        blocks.append(TraceBlock(f"{sample['sample_id']}:session_{number}", "\n".join(lines)))
+    return blocks
+
+
+def load_locomo_sessions(data_dir: Path, *, top_k: int = LOCOMO_SESSIONS_TOP_K) -> Trace:
+    """Load LoCoMo with whole dialog sessions as memories: one independent request per QA question, its blocks the
+    top-``top_k`` sessions of its own conversation by BM25 (conversations one after the other, questions in order)."""
+    samples = _read_json(Path(data_dir) / "locomo" / "locomo10.json")
+    requests: list[TraceRequest] = []
+    for sample in samples:
+        sessions = _locomo_sessions(sample)
+        questions = [str(qa["question"]) for qa in sample["qa"]]
+        ranked = _bm25_top_k([block.text for block in sessions], questions, top_k)
+        for index, question in enumerate(questions):
+            blocks = tuple(sessions[int(position)] for position in ranked[index])
+            requests.append(TraceRequest(f"{sample['sample_id']}:q{index}", 0, question, blocks))
+    return Trace("locomo_sessions", tuple(requests), multi_turn=False)
 
 
 # ---------------------------------------------------------------- MultiHop-RAG
@@ -226,7 +263,7 @@ def load_mt_rag(data_dir: Path, *, concurrency: int = MT_RAG_CONCURRENCY) -> Tra
 
 def load_synthetic(*, requests: int = 2000, blocks_per_request: int = 15, corpus_size: int = 1000,
                    zipf_exponent: float = 1.0, seed: int = 0, turns_per_session: int = 1,
-                   repeat_fraction: float = 0.4) -> Trace:
+                   repeat_fraction: float = 0.4, block_words: int | None = None, name: str = "synthetic") -> Trace:
     """Generate a seeded synthetic trace: Zipf block popularity over a shared corpus.
 
     Args:
@@ -237,11 +274,15 @@ def load_synthetic(*, requests: int = 2000, blocks_per_request: int = 15, corpus
         seed: the generator's seed (same seed, same trace).
         turns_per_session: turns per session; above 1 the trace is multi-turn.
         repeat_fraction: in multi-turn sessions, share of a turn's blocks drawn from the session's earlier blocks.
+        block_words: every block this many pseudo-words long (default: 80 to 240, drawn per block).
+        name: the trace's name.
     """
     if requests < 1 or not 1 <= blocks_per_request <= corpus_size or turns_per_session < 1:
         raise InvalidInputError("synthetic: need requests >= 1, 1 <= blocks_per_request <= corpus_size, turns >= 1")
     rng = np.random.default_rng(seed)
     lengths = rng.integers(80, 241, size=corpus_size)
+    if block_words is not None:
+        lengths[:] = block_words
     corpus = [TraceBlock(f"doc{i}", f"Document {i}. " + _pseudo_text(f"synthetic/{seed}/{i}", int(lengths[i])))
               for i in range(corpus_size)]
     popularity = 1.0 / np.arange(1, corpus_size + 1) ** zipf_exponent
@@ -259,7 +300,7 @@ def load_synthetic(*, requests: int = 2000, blocks_per_request: int = 15, corpus
                                          tuple(corpus[int(i[3:])] for i in chosen),
                                          answer=f"Answer {index}: " + _pseudo_text(f"synthetic/{seed}/a/{index}", 30)))
     ordered = interleave(sessions, 8) if turns_per_session > 1 else [s[0] for s in sessions]
-    return Trace("synthetic", tuple(ordered), multi_turn=turns_per_session > 1)
+    return Trace(name, tuple(ordered), multi_turn=turns_per_session > 1)
 
 
 def _draw_blocks(rng: np.random.Generator, popularity: np.ndarray, count: int, earlier: list[str],
@@ -281,6 +322,8 @@ LOADERS: dict[str, Callable[[Path], Trace]] = {
     "mt_rag": load_mt_rag,
     "multihop": load_multihop,
     "synthetic": lambda _data_dir: load_synthetic(),
+    "locomo_sessions": load_locomo_sessions,
+    "synthetic300": lambda _data_dir: load_synthetic(block_words=SYNTHETIC300_WORDS, name="synthetic300"),
 }
 
 

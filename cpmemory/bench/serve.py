@@ -1,0 +1,286 @@
+"""``cpmemory bench serve``: replay a trace through ``cpmemory serve`` with concurrent streamed clients, on real engines.
+
+Two strategies in one run, the engines' prefix caches emptied before each (``POST /reset_prefix_cache``, vLLM with
+``VLLM_SERVER_DEV_MODE=1``):
+
+* ``original``: the same block format, relevance order and full history, sent straight to the engines with
+  conversation-affinity routing (the proxy's own router and failover loop), or to ``--upstream``;
+* ``cpmemory``: question + blocks through the proxy (started in this process, or ``--proxy URL``), online.
+
+Per strategy: TTFT mean / p50 / p90, mean end-to-end latency, throughput (answered requests/s, prompt tokens/s), the
+engines' cached and prompt tokens (usage), errors and lost blocks (``check_no_loss`` on what reached the engine).
+How the replay runs (concurrency, Poisson rate, deadlines, failures): :mod:`cpmemory.bench.serve_run`.
+
+Example::
+
+    cpmemory bench serve --workload mt_rag --engine http://127.0.0.1:8000 --engine http://127.0.0.1:8001 --json
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import sys
+import uuid
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from cpmemory.bench.serve_run import (
+    STRATEGIES,
+    Outcome,
+    ServeSettings,
+    StrategyRun,
+    check_losses,
+    replay,
+    select_jobs,
+    validate,
+)
+from cpmemory.bench.trace import Trace
+from cpmemory.errors import CpMemoryError
+
+DEFAULT_REQUESTS = 64
+DEFAULT_CONCURRENCY = 8
+DEFAULT_MAX_TURNS = 6
+
+
+@contextlib.asynccontextmanager
+async def in_process_proxy(settings: ServeSettings) -> AsyncIterator[tuple[str, Any]]:
+    """Serve a ``cpmemory serve`` app on a free loopback port in this event loop; yields (URL, recording transport)."""
+    import uvicorn
+
+    from cpmemory.bench.load import RecordingTransport, _free_port
+    from cpmemory.routing.transport import HttpxChatTransport
+    from cpmemory.server.app import ServerConfig, create_app
+
+    urls = [settings.upstream] if settings.upstream else list(settings.engines)
+    kv_events = [] if settings.upstream else list(settings.kv_events)
+    recording = RecordingTransport(HttpxChatTransport())
+    config = ServerConfig(engines=urls, kv_events=kv_events, engine_timeout_s=settings.engine_timeout_s)
+    port = _free_port()
+    server = uvicorn.Server(uvicorn.Config(create_app(config, transport=recording), host="127.0.0.1", port=port,
+                                           log_level="error", lifespan="on", timeout_keep_alive=600))
+    serving = asyncio.create_task(server.serve())
+    try:
+        while not server.started:
+            if serving.done():
+                serving.result()
+                raise CpMemoryError("the in-process proxy stopped during start-up")
+            await asyncio.sleep(0.02)
+        yield f"http://127.0.0.1:{port}", recording
+    finally:
+        server.should_exit = True
+        await serving
+        await recording.aclose()
+
+
+@contextlib.asynccontextmanager
+async def strategy_client(name: str, settings: ServeSettings, system_prompt: str) -> AsyncIterator[Any]:
+    """The client of one strategy (see :mod:`cpmemory.bench.serve_clients`), closed on exit."""
+    from cpmemory.bench.serve_clients import DirectClient, ProxyClient
+
+    if name == "original":
+        urls = [settings.upstream] if settings.upstream else list(settings.engines)
+        client: Any = DirectClient(urls, model=settings.model, max_tokens=settings.max_tokens,
+                                   timeout_s=settings.engine_timeout_s, system_prompt=system_prompt)
+        try:
+            yield client
+        finally:
+            await client.aclose()
+        return
+    if settings.proxy is not None:
+        client = ProxyClient(settings.proxy, model=settings.model, max_tokens=settings.max_tokens,
+                             timeout_s=settings.timeout_s)
+        try:
+            yield client
+        finally:
+            await client.aclose()
+        return
+    async with in_process_proxy(settings) as (url, recording):
+        client = ProxyClient(url, model=settings.model, max_tokens=settings.max_tokens,
+                             timeout_s=settings.timeout_s, recording=recording)
+        try:
+            yield client
+        finally:
+            await client.aclose()
+
+
+async def engine_facts(settings: ServeSettings) -> list[dict[str, Any]]:
+    """Each engine's KV cache (tokens, from ``/metrics``) and one untimed warm-up request. Never raises."""
+    from cpmemory.engines.client import AsyncEngineClient, EngineSettings
+    from cpmemory.errors import EngineError
+
+    facts = []
+    for url in settings.engines:
+        row: dict[str, Any] = {"url": url, "kv_cache_tokens": None, "block_size": None}
+        try:
+            async with AsyncEngineClient(EngineSettings(base_url=url, model=settings.model, timeout_s=60)) as client:
+                config = await client.cache_config()
+                row["block_size"] = config.block_size
+                row["kv_cache_tokens"] = config.num_blocks * config.block_size if config.num_blocks else None
+                await client.chat([{"role": "user", "content": "warm up"}], max_tokens=1, stream=True)
+        except EngineError as error:
+            row["error"] = str(error)[:200]
+        facts.append(row)
+    return facts
+
+
+async def run_serve(trace: Trace, settings: ServeSettings,
+                    progress: Callable[[str, Outcome], None] | None = None) -> dict[str, Any]:
+    """Replay ``trace`` through every strategy of ``settings``; return the report (see :func:`report_json`)."""
+    from cpmemory.bench.serve_clients import reset_prefix_caches
+    from cpmemory.session.config import DEFAULT_SYSTEM_PROMPT
+
+    validate(settings)
+    engines = await engine_facts(settings)
+    runs: dict[str, StrategyRun] = {}
+    run_id = uuid.uuid4().hex[:8]  # one per run: both strategies route each conversation to the same replica
+    sessions = select_jobs(trace, settings, run_id)
+    for name in settings.strategies:
+        run = StrategyRun(name, reset=await reset_prefix_caches(settings.engines))
+        async with strategy_client(name, settings, DEFAULT_SYSTEM_PROMPT) as client:
+            advance = (lambda outcome, name=name: progress(name, outcome)) if progress else None
+            run.outcomes, run.wall_s = await replay(client, sessions, trace.multi_turn, settings, advance)
+        check_losses(run)
+        runs[name] = run
+    return report_json(trace, settings, runs, engines, len(sessions))
+
+
+def report_json(trace: Trace, settings: ServeSettings, runs: dict[str, StrategyRun], engines: list[dict[str, Any]],
+                sessions: int) -> dict[str, Any]:
+    """The ``--json`` object: ``strategies`` (exact figures), ``ttft_mean_speedup``, and what the run was."""
+    strategies = {name: run.figures() for name, run in runs.items()}
+    speedup = None
+    original, ours = strategies.get("original"), strategies.get("cpmemory")
+    if original and ours and original["ttft_mean_ms"] and ours["ttft_mean_ms"]:
+        speedup = round(original["ttft_mean_ms"] / ours["ttft_mean_ms"], 3)
+    throughput = None
+    if original and ours and original["throughput_rps"]:
+        throughput = round(ours["throughput_rps"] / original["throughput_rps"], 3)
+    return {
+        "strategies": strategies, "ttft_mean_speedup": speedup, "throughput_speedup": throughput,
+        "workload": trace.name, "multi_turn": trace.multi_turn, "sessions": sessions,
+        "settings": settings.model_dump(mode="json"), "engines": engines,
+        "details": {name: run.details() for name, run in runs.items()},
+    }
+
+
+# ---------------------------------------------------------------- report
+
+def print_table(report: dict[str, Any], console: Any) -> None:
+    """The side-by-side table of one run."""
+    from rich.table import Table
+
+    settings = report["settings"]
+    load = f"rate {settings['rate']}/s" if settings.get("rate") else f"concurrency {settings['concurrency']}"
+    table = Table(title=f"bench serve {report['workload']}: {report['sessions']} sessions, {load}, "
+                        f"{len(settings['engines'])} engine(s)" + (" via upstream" if settings.get("upstream") else ""))
+    for header in ("strategy", "TTFT mean ms", "p50", "p90", "latency mean ms", "req/s", "prompt tok/s",
+                   "cached / prompt tokens", "errors", "lost"):
+        table.add_column(header, justify="left" if header == "strategy" else "right")
+    for name, s in report["strategies"].items():
+        cached = f"{s['cached_tokens']:,} / {s['prompt_tokens']:,}"
+        table.add_row(name, _ms(s["ttft_mean_ms"]), _ms(s["ttft_p50_ms"]), _ms(s["ttft_p90_ms"]),
+                      _ms(s["latency_mean_ms"]), f"{s['throughput_rps']:.3f}", f"{s['prompt_tokens_per_s']:,.0f}",
+                      cached, str(s["errors"]), str(s["lost_blocks"]), style="bold" if name == "cpmemory" else None)
+    kv = ", ".join(f"{e['kv_cache_tokens']:,}" if e.get("kv_cache_tokens") else "?" for e in report["engines"])
+    peaks = ", ".join(f"{n} {d['peak_working_set_tokens']:,}" for n, d in report["details"].items())
+    table.caption = (f"TTFT mean speed-up x{report['ttft_mean_speedup']}, throughput x{report['throughput_speedup']}; "
+                     f"KV cache per engine {kv} tokens; peak working set (tokens) {peaks}")
+    console.print(table)
+    for name, details in report["details"].items():
+        for sample in details["error_samples"]:
+            console.print(f"[yellow]{name} error:[/] {sample}", soft_wrap=True)
+        for sample in details["loss_samples"]:
+            console.print(f"[red]{name} lost:[/] {sample}", soft_wrap=True)
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:,.0f}"
+
+
+def plot_cdf(report: dict[str, Any], runs_ttft: dict[str, list[float]], path: Path) -> None:
+    """Write the TTFT CDF per strategy as a PNG."""
+    import numpy as np
+
+    from cpmemory.bench.report import _pyplot
+
+    plt = _pyplot()
+    figure, axis = plt.subplots(figsize=(7, 4.5))
+    for name, values in runs_ttft.items():
+        if values:
+            ordered = np.sort(np.asarray(values) / 1000.0)
+            axis.step(ordered, np.arange(1, len(ordered) + 1) / len(ordered), where="post", label=name,
+                      linewidth=2.4 if name == "cpmemory" else 1.4)
+    axis.set(xlabel="time to first token (s)", ylabel="fraction of requests",
+             title=f"{report['workload']}: TTFT CDF (mean speed-up x{report['ttft_mean_speedup']})")
+    axis.grid(alpha=0.3)
+    axis.legend()
+    figure.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+def _load(trace_file: Path | None, workload: str | None, data_dir: Path | None, multi_turn: bool | None) -> Trace:
+    from cpmemory.bench.replay import _load_trace
+
+    return _load_trace(trace_file, workload, data_dir, False, multi_turn)
+
+
+def command(
+    engine: Annotated[list[str], typer.Option("--engine", help="Engine base URL (repeat per replica).")],
+    trace_file: Path | None = typer.Option(None, "--trace", help="A JSON Lines trace (see docs/bench.md)."),
+    workload: str | None = typer.Option(None, "--workload", help="mt_rag | locomo_sessions | synthetic_long | ..."),
+    data_dir: Path | None = typer.Option(None, "--data-dir", help="Data folder (default ../shared/data)."),
+    upstream: str | None = typer.Option(None, "--upstream", help="A router in front of the engines (both strategies)."),
+    proxy: str | None = typer.Option(None, "--proxy", help="Use a running cpmemory proxy instead of starting one."),
+    kv_events: Annotated[list[str] | None, typer.Option("--kv-events", help="KV-event endpoint per --engine.")] = None,
+    concurrency: int = typer.Option(DEFAULT_CONCURRENCY, "--concurrency", min=1, help="Concurrent clients."),
+    rate: float | None = typer.Option(None, "--rate", min=0.001, help="Poisson arrivals per second instead."),
+    requests: int = typer.Option(DEFAULT_REQUESTS, "--requests", min=1, help="Requests per strategy."),
+    max_turns: int = typer.Option(DEFAULT_MAX_TURNS, "--max-turns", min=1, help="Turns kept per session."),
+    max_tokens: int = typer.Option(8, "--max-tokens", min=1, help="Tokens generated per request."),
+    timeout: float = typer.Option(300.0, "--timeout", min=0.1, help="Deadline of one request (s)."),
+    engine_timeout: float = typer.Option(120.0, "--engine-timeout", min=0.1, help="Per-call engine timeout (s)."),
+    strategies: str = typer.Option(",".join(STRATEGIES), "--strategies", help="Comma-separated, in run order."),
+    model: str = typer.Option("tiny", "--model", help="Served model name."),
+    multi_turn: bool | None = typer.Option(None, "--multi-turn/--independent", help="Override the trace's flag."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the Poisson arrivals."),
+    plot: Path | None = typer.Option(None, "--plot", help="Write the TTFT CDF per strategy (PNG)."),
+    json_output: bool = typer.Option(False, "--json", help="Print one JSON object on stdout."),
+) -> None:
+    """Replay a trace through the proxy and straight to the engines; print TTFT, throughput, errors, lost blocks."""
+    from rich.console import Console
+    from rich.markup import escape
+
+    from cpmemory.bench import report as report_module
+
+    err = report_module.stderr_console()
+    try:
+        trace = _load(trace_file, workload, data_dir, multi_turn)
+        settings = ServeSettings(
+            engines=tuple(engine), upstream=upstream, proxy=proxy, kv_events=tuple(kv_events or ()),
+            concurrency=concurrency, rate=rate, requests=requests, max_turns=max_turns, max_tokens=max_tokens,
+            timeout_s=timeout, engine_timeout_s=engine_timeout, model=model, seed=seed,
+            strategies=tuple(s.strip() for s in strategies.split(",") if s.strip()))
+        if settings.kv_events and len(settings.kv_events) != len(settings.engines):
+            raise CpMemoryError("give one --kv-events endpoint per --engine, in the same order")
+        ttfts: dict[str, list[float]] = {name: [] for name in settings.strategies}
+        total = min(requests, len(trace.requests)) * len(settings.strategies)
+        with report_module.progress_bar(total, f"serve {trace.name}") as advance:
+            def progress(name: str, outcome: Outcome) -> None:
+                if outcome.ttft_ms is not None:
+                    ttfts[name].append(outcome.ttft_ms)
+                advance(1)
+
+            report = asyncio.run(run_serve(trace, settings, progress))
+    except (CpMemoryError, ImportError, ValueError) as exc:
+        err.print(f"[red]error:[/] {escape(str(exc))}", soft_wrap=True)
+        raise typer.Exit(code=2) from exc
+    if plot is not None:
+        plot_cdf(report, ttfts, plot)
+    print_table(report, Console(stderr=True, width=160) if json_output else Console(width=160))
+    if json_output:
+        sys.stdout.write(report_module.json_line(report) + "\n")

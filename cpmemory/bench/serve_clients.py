@@ -1,0 +1,190 @@
+"""The two clients of ``cpmemory bench serve``: one per strategy, both streamed, both timed the same way.
+
+* :class:`DirectClient` (strategy ``original``): builds the prompt itself (the replay's block format, relevance order,
+  the session's full history: earlier user messages as sent and the engine's answers) and sends it straight to the
+  engines, routed by the same conversation-affinity rendezvous hash and failover loop the proxy uses
+  (:class:`cpmemory.routing.dispatch.Dispatcher`), or to one ``--upstream`` router.
+* :class:`ProxyClient` (strategy ``cpmemory``): sends only the question and the retrieved blocks to a ``cpmemory
+  serve`` proxy (``cpmemory`` extension field); the proxy keeps the history, de-duplicates, orders and routes.
+
+Both read the server-sent events line by line with :class:`cpmemory.engines.client.StreamAccumulator`: the TTFT is
+the time from sending to the first generated token, the latency the time to the end of the stream, the token counts
+come from the engine's final usage chunk. What reached the engine is kept per request for ``check_no_loss``.
+"""
+from __future__ import annotations
+
+import time
+import uuid
+from collections import defaultdict
+from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from cpmemory.engines.client import StreamAccumulator
+from cpmemory.errors import EngineError
+
+DEFAULT_TENANT = "default"
+
+
+@dataclass(frozen=True, slots=True)
+class Sent:
+    """One finished request as the client saw it (before the no-loss check).
+
+    Attributes:
+        ttft_s: time to the first token (None when the stream carried no token).
+        latency_s: time to the end of the stream.
+        prompt_tokens: the engine's usage (0 when absent).
+        cached_tokens: ``prompt_tokens_details.cached_tokens`` of the usage (0 when absent).
+        replica: index of the replica that answered (-1 when unknown, e.g. behind an upstream router).
+        messages: the messages that reached the engine (None when they could not be observed).
+    """
+
+    ttft_s: float | None
+    latency_s: float
+    prompt_tokens: int
+    cached_tokens: int
+    replica: int
+    messages: tuple[Mapping[str, str], ...] | None
+
+
+async def lines_of(chunks: AsyncIterator[bytes]) -> AsyncIterator[str]:
+    """Split a byte stream into text lines (any chunking)."""
+    buffer = b""
+    async for chunk in chunks:
+        buffer += chunk
+        while b"\n" in buffer:
+            line, buffer = buffer.split(b"\n", 1)
+            yield line.decode("utf-8", "replace").strip()
+    if buffer.strip():
+        yield buffer.decode("utf-8", "replace").strip()
+
+
+async def read_stream(chunks: AsyncIterator[bytes], started: float) -> StreamAccumulator:
+    """Fold an SSE stream into an accumulator; raises EngineError on an error event or a stream without an end."""
+    accumulator = StreamAccumulator("", started)
+    async for line in lines_of(chunks):
+        accumulator.feed_line(line, time.perf_counter())
+    if not (accumulator.done or accumulator.finish_reason):
+        raise EngineError("the stream ended before the answer did")
+    return accumulator
+
+
+def _usage(accumulator: StreamAccumulator) -> tuple[int, int]:
+    usage = accumulator.usage or {}
+    details = usage.get("prompt_tokens_details") or {}
+    return int(usage.get("prompt_tokens") or 0), int(details.get("cached_tokens") or 0)
+
+
+def sampling(max_tokens: int) -> dict[str, Any]:
+    """The sampling fields both strategies send (greedy, short answers: the prefill is what is measured)."""
+    return {"max_tokens": max_tokens, "temperature": 0, "stream": True}
+
+
+class DirectClient:
+    """Strategy ``original``: full prompts straight to the engines (see the module docstring)."""
+
+    def __init__(self, urls: Sequence[str], *, model: str, max_tokens: int, timeout_s: float, system_prompt: str,
+                 transport: Any = None) -> None:
+        """Wire a router over ``urls`` (engines, or one upstream router); no IO."""
+        import httpx
+
+        from cpmemory.routing.dispatch import Dispatcher
+        from cpmemory.routing.router import Router
+        from cpmemory.routing.transport import HttpxChatTransport
+
+        client = httpx.AsyncClient(limits=httpx.Limits(max_connections=1024), transport=transport)
+        self.dispatcher = Dispatcher(Router(list(urls)), HttpxChatTransport(client), timeout_s=timeout_s)
+        self.model, self.max_tokens, self.system_prompt = model, max_tokens, system_prompt
+        self.history: dict[str, list[dict[str, str]]] = defaultdict(list)
+
+    def messages(self, conversation: str, blocks: Sequence[Any], query: str, multi_turn: bool) -> list[dict[str, str]]:
+        """The prompt of one turn: system, the conversation's history (multi-turn), the user message."""
+        from cpmemory.bench.replay import plain_user_message
+
+        user = plain_user_message(blocks, range(len(blocks)), query)
+        history = self.history[conversation] if multi_turn else []
+        return [{"role": "system", "content": self.system_prompt}, *history, {"role": "user", "content": user}]
+
+    async def send(self, conversation: str, blocks: Sequence[Any], query: str, multi_turn: bool) -> Sent:
+        """Send one turn; on success the user message and the engine's answer join the history."""
+        from cpmemory.routing.router import conversation_affinity_key
+
+        messages = self.messages(conversation, blocks, query, multi_turn)
+        request_id = "bench-" + uuid.uuid4().hex
+        payload = {"model": self.model, "messages": messages, "request_id": request_id,
+                   "stream_options": {"include_usage": True}, **sampling(self.max_tokens)}
+        started = time.perf_counter()
+        opened = await self.dispatcher.open_stream(conversation_affinity_key(DEFAULT_TENANT, conversation), payload,
+                                                   {"X-Request-Id": request_id})
+        try:
+            accumulator = await read_stream(opened.stream.aiter_bytes(), started)
+        finally:
+            await opened.release()
+        if multi_turn:
+            answer = "".join(accumulator.parts)
+            self.history[conversation].extend([messages[-1], {"role": "assistant", "content": answer}])
+        prompt, cached = _usage(accumulator)
+        return Sent(accumulator.first_token_at and accumulator.first_token_at - started,
+                    time.perf_counter() - started, prompt, cached, opened.decision.index, tuple(messages))
+
+    async def aclose(self) -> None:
+        """Close the HTTP client."""
+        await self.dispatcher.transport.aclose()
+
+
+class ProxyClient:
+    """Strategy ``cpmemory``: question + blocks to a ``cpmemory serve`` proxy (see the module docstring).
+
+    ``recording`` is the proxy's transport when the proxy runs in this process (a
+    :class:`cpmemory.bench.load.RecordingTransport`): it holds what reached the engine, by request id.
+    """
+
+    def __init__(self, base_url: str, *, model: str, max_tokens: int, timeout_s: float, recording: Any = None,
+                 transport: Any = None) -> None:
+        """Create the HTTP client; no IO."""
+        import httpx
+
+        self.client = httpx.AsyncClient(base_url=base_url, timeout=httpx.Timeout(timeout_s, connect=5.0),
+                                        limits=httpx.Limits(max_connections=1024), transport=transport)
+        self.model, self.max_tokens, self.recording = model, max_tokens, recording
+
+    async def send(self, conversation: str, blocks: Sequence[Any], query: str, multi_turn: bool) -> Sent:
+        """Send one turn through the proxy (independent requests get a conversation of their own)."""
+        del multi_turn  # the caller names a fresh conversation per request when the trace is not multi-turn
+        body = {"model": self.model, "messages": [{"role": "user", "content": query}],
+                "cpmemory": {"conversation_id": conversation,
+                             "blocks": [{"id": block.id, "text": block.text} for block in blocks]},
+                **sampling(self.max_tokens)}
+        started = time.perf_counter()
+        async with self.client.stream("POST", "/v1/chat/completions", json=body) as response:
+            if response.status_code != 200:
+                text = (await response.aread()).decode("utf-8", "replace")
+                raise EngineError(f"proxy answered HTTP {response.status_code}: {text[:300]}")
+            replica = int(response.headers.get("X-Cpmemory-Replica", "-1"))
+            request_id = response.headers.get("X-Cpmemory-Request-Id", "")
+            accumulator = await read_stream(response.aiter_bytes(), started)
+        sent = None
+        if self.recording is not None:
+            recorded = self.recording.sent.pop(request_id, None)
+            sent = tuple(recorded) if recorded is not None else None
+        prompt, cached = _usage(accumulator)
+        return Sent(accumulator.first_token_at and accumulator.first_token_at - started,
+                    time.perf_counter() - started, prompt, cached, replica, sent)
+
+    async def aclose(self) -> None:
+        """Close the HTTP client."""
+        await self.client.aclose()
+
+
+async def reset_prefix_caches(urls: Sequence[str], timeout_s: float = 10.0) -> dict[str, bool]:
+    """``POST /reset_prefix_cache`` on every engine (vLLM dev mode); url -> whether it was emptied. Never raises."""
+    from cpmemory.engines.client import AsyncEngineClient, EngineSettings
+
+    done: dict[str, bool] = {}
+    for url in urls:
+        try:
+            async with AsyncEngineClient(EngineSettings(base_url=url, timeout_s=timeout_s)) as client:
+                done[url] = await client.reset_prefix_cache(attempts=25, wait_s=0.2)
+        except EngineError:
+            done[url] = False
+    return done

@@ -1,0 +1,277 @@
+"""The replay behind ``cpmemory bench serve``: concurrent, streamed clients, one strategy after the other.
+
+Per strategy: the engines' prefix caches are emptied (``POST /reset_prefix_cache``), then the selected sessions are
+replayed by that strategy's client (:mod:`cpmemory.bench.serve_clients`):
+
+* ``concurrency`` C: C clients; each takes the next session and plays its turns in order (a multi-turn session's
+  turn n+1 is sent when turn n has answered), so C sessions are interleaved at any time;
+* ``rate`` R: requests arrive as a Poisson process of R per second in trace order; a turn is sent at its arrival
+  time or when its session's previous turn answered, whichever is later.
+
+Every request has a deadline (``timeout_s``): past it the request is cancelled and counted as an error, so no client
+waits longer. A failed turn is reported (kind and a sample of messages) and its session goes on with the next turn.
+After the run, every answered request is checked with ``check_no_loss`` on the messages that reached the engine.
+"""
+from __future__ import annotations
+
+import asyncio
+import math
+import random
+import statistics
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from cpmemory.bench.replay import PreparedRequest, prepare_requests
+from cpmemory.bench.trace import Trace, TraceRequest
+from cpmemory.errors import InvalidInputError
+
+STRATEGIES = ("original", "cpmemory")
+FIGURES = ("ttft_mean_ms", "ttft_p50_ms", "ttft_p90_ms", "latency_mean_ms", "throughput_rps", "prompt_tokens_per_s",
+           "cached_tokens", "prompt_tokens", "errors", "lost_blocks")
+
+
+class ServeSettings(BaseModel):
+    """How ``bench serve`` replays (see the module docstring)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    engines: tuple[str, ...] = Field(min_length=1, description="engine base URLs (caches reset per strategy)")
+    upstream: str | None = Field(None, description="a router in front of the engines: both strategies send there")
+    proxy: str | None = Field(None, description="a running cpmemory proxy; None starts one in this process")
+    kv_events: tuple[str, ...] = Field((), description="KV-event endpoint per engine, for the in-process proxy")
+    concurrency: int = Field(8, ge=1, le=4096)
+    rate: float | None = Field(None, gt=0, description="Poisson arrivals per second (instead of concurrency)")
+    requests: int = Field(64, ge=1)
+    max_turns: int | None = Field(None, ge=1, description="turns kept per session (the first ones)")
+    max_tokens: int = Field(8, ge=1)
+    timeout_s: float = Field(300.0, gt=0, description="deadline of one request")
+    engine_timeout_s: float = Field(120.0, gt=0, description="per-call engine timeout before a replica fails over")
+    model: str = "tiny"
+    strategies: tuple[str, ...] = STRATEGIES
+    seed: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Job:
+    """One request to replay: the trace request, its blocks, its conversation id, its arrival (rate mode)."""
+
+    request: TraceRequest
+    prepared: PreparedRequest
+    conversation: str
+    arrival_s: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """One request's result: figures when answered, ``error`` otherwise."""
+
+    job: Job
+    started_s: float
+    ttft_ms: float | None = None
+    latency_ms: float | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    replica: int = -1
+    messages: tuple[Any, ...] | None = None
+    error: str | None = None
+
+
+@dataclass(slots=True)
+class StrategyRun:
+    """Everything one strategy's replay observed."""
+
+    name: str
+    outcomes: list[Outcome] = field(default_factory=list)
+    wall_s: float = 0.0
+    reset: dict[str, bool] = field(default_factory=dict)
+    lost_blocks: int = 0
+    unchecked: int = 0
+    loss_samples: list[str] = field(default_factory=list)
+
+    def answered(self) -> list[Outcome]:
+        """Outcomes without an error."""
+        return [outcome for outcome in self.outcomes if outcome.error is None]
+
+    def figures(self) -> dict[str, Any]:
+        """The per-strategy JSON object (exactly :data:`FIGURES`)."""
+        ok = self.answered()
+        ttfts = [o.ttft_ms for o in ok if o.ttft_ms is not None]
+        prompt = sum(o.prompt_tokens for o in ok)
+        wall = self.wall_s or math.inf
+        return {
+            "ttft_mean_ms": round(statistics.fmean(ttfts), 2) if ttfts else None,
+            "ttft_p50_ms": round(percentile(ttfts, 0.5), 2) if ttfts else None,
+            "ttft_p90_ms": round(percentile(ttfts, 0.9), 2) if ttfts else None,
+            "latency_mean_ms": round(statistics.fmean(o.latency_ms for o in ok), 2) if ok else None,
+            "throughput_rps": round(len(ok) / wall, 4), "prompt_tokens_per_s": round(prompt / wall, 1),
+            "cached_tokens": sum(o.cached_tokens for o in ok), "prompt_tokens": prompt,
+            "errors": len(self.outcomes) - len(ok), "lost_blocks": self.lost_blocks,
+        }
+
+    def details(self) -> dict[str, Any]:
+        """What the figures do not say: counts, failures by kind, replicas used, working set, resets."""
+        errors = [o.error for o in self.outcomes if o.error is not None]
+        kinds = Counter(error.split(":", 1)[0] for error in errors)
+        replicas = Counter(str(o.replica) for o in self.answered())
+        return {"requests": len(self.outcomes), "answered": len(self.answered()), "wall_s": round(self.wall_s, 2),
+                "errors_by_kind": dict(kinds), "error_samples": list(dict.fromkeys(errors))[:5],
+                "requests_per_replica": dict(sorted(replicas.items())), "unchecked": self.unchecked,
+                "loss_samples": self.loss_samples[:5], "reset": self.reset,
+                "peak_working_set_tokens": peak_working_set(self.outcomes)}
+
+
+def percentile(values: Sequence[float], fraction: float) -> float:
+    """Nearest-rank percentile (0 for no values)."""
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(fraction * len(ordered)) - 1))]
+
+
+def peak_working_set(outcomes: Sequence[Outcome]) -> int:
+    """The largest sum, over sessions active at one time, of each one's latest prompt tokens (what the engines'
+    caches must hold to reuse every session's history): a session is active from its first request's start to its
+    last request's end."""
+    spans: dict[str, list[float]] = {}
+    latest: dict[str, list[tuple[float, int]]] = {}
+    for o in outcomes:
+        if o.error is not None or o.latency_ms is None:
+            continue
+        key = o.job.request.session
+        end = o.started_s + o.latency_ms / 1000.0
+        span = spans.setdefault(key, [o.started_s, end])
+        span[0], span[1] = min(span[0], o.started_s), max(span[1], end)
+        latest.setdefault(key, []).append((end, o.prompt_tokens))
+    events = sorted((t, key) for key, rows in latest.items() for t, _ in rows)
+    peak = 0
+    for now, _key in events:
+        total = 0
+        for session, (start, end) in spans.items():
+            if start <= now <= end:
+                total += max((tokens for t, tokens in latest[session] if t <= now), default=0)
+        peak = max(peak, total)
+    return peak
+
+
+# ---------------------------------------------------------------- selection
+
+def select_jobs(trace: Trace, settings: ServeSettings, run_id: str) -> list[list[Job]]:
+    """The sessions to replay, each a list of jobs in turn order, in order of first appearance in the trace.
+
+    Whole sessions are taken until ``settings.requests`` requests are reached (the last one is cut to fit); a
+    session keeps at most ``max_turns`` turns. An independent trace gets one conversation per request. With a
+    rate, arrival times are a seeded Poisson process over the requests in trace order.
+    """
+    prepared = prepare_requests(trace)
+    sessions: dict[str, list[tuple[TraceRequest, PreparedRequest]]] = {}
+    for request, item in zip(trace.requests, prepared):
+        sessions.setdefault(request.session, []).append((request, item))
+    chosen: list[list[tuple[TraceRequest, PreparedRequest]]] = []
+    total = 0
+    for turns in sessions.values():
+        if total >= settings.requests:
+            break
+        turns = turns[: settings.max_turns] if trace.multi_turn else turns
+        turns = turns[: settings.requests - total]
+        chosen.append(turns)
+        total += len(turns)
+    arrivals = _arrivals(trace, chosen, settings)
+    jobs = []
+    for turns in chosen:
+        row = []
+        for request, item in turns:
+            conversation = f"{run_id}:{request.session}"
+            if not trace.multi_turn:
+                conversation += f"#{request.turn}:{len(row)}"
+            row.append(Job(request, item, conversation, arrivals.get(id(request), 0.0)))
+        jobs.append(row)
+    return jobs
+
+
+def _arrivals(trace: Trace, chosen: Sequence[Sequence[tuple[TraceRequest, Any]]],
+              settings: ServeSettings) -> dict[int, float]:
+    if settings.rate is None:
+        return {}
+    wanted = {id(request) for turns in chosen for request, _ in turns}
+    rng = random.Random(settings.seed)
+    clock, out = 0.0, {}
+    for request in trace.requests:
+        if id(request) in wanted:
+            out[id(request)] = clock
+            clock += rng.expovariate(settings.rate)
+    return out
+
+
+# ---------------------------------------------------------------- the replay
+
+Progress = Callable[[Outcome], None]
+
+
+async def _one(client: Any, job: Job, multi_turn: bool, timeout_s: float, epoch: float) -> Outcome:
+    started = time.perf_counter()
+    try:
+        sent = await asyncio.wait_for(client.send(job.conversation, job.prepared.blocks, job.request.query,
+                                                  multi_turn), timeout=timeout_s)
+    except asyncio.TimeoutError:
+        return Outcome(job, started - epoch, error=f"timeout: no answer within {timeout_s:g} s")
+    except Exception as error:  # noqa: BLE001 - every failure of a request is reported, none stops the run
+        return Outcome(job, started - epoch, error=f"{type(error).__name__}: {str(error)[:300]}")
+    ttft = None if sent.ttft_s is None else sent.ttft_s * 1000.0
+    return Outcome(job, started - epoch, ttft, sent.latency_s * 1000.0, sent.prompt_tokens, sent.cached_tokens,
+                   sent.replica, sent.messages)
+
+
+async def replay(client: Any, sessions: Sequence[Sequence[Job]], multi_turn: bool, settings: ServeSettings,
+                 progress: Progress | None = None) -> tuple[list[Outcome], float]:
+    """Replay ``sessions`` through ``client`` (concurrency or rate, see the module docstring).
+
+    Returns the outcomes (completion order) and the wall time in seconds.
+    """
+    outcomes: list[Outcome] = []
+    epoch = time.perf_counter()
+
+    async def play(session: Sequence[Job]) -> None:
+        for job in session:
+            if settings.rate is not None:
+                await asyncio.sleep(max(0.0, epoch + job.arrival_s - time.perf_counter()))
+            outcome = await _one(client, job, multi_turn, settings.timeout_s, epoch)
+            outcomes.append(outcome)
+            if progress is not None:
+                progress(outcome)
+
+    if settings.rate is not None:
+        await asyncio.gather(*(play(session) for session in sessions))
+    else:
+        queue = list(sessions)[::-1]
+
+        async def worker() -> None:
+            while queue:
+                await play(queue.pop())
+
+        await asyncio.gather(*(worker() for _ in range(min(settings.concurrency, len(sessions)))))
+    return outcomes, time.perf_counter() - epoch
+
+
+def check_losses(run: StrategyRun) -> None:
+    """``check_no_loss`` on what reached the engine for every answered request; fills ``run``'s loss fields."""
+    from cpmemory.core.invariants import check_no_loss
+
+    for outcome in run.answered():
+        if outcome.messages is None:
+            run.unchecked += 1
+            continue
+        report = check_no_loss(list(outcome.job.prepared.blocks), list(outcome.messages))
+        run.lost_blocks += len(report.violations)
+        run.loss_samples.extend(f"{outcome.job.conversation}: {v}" for v in report.violations[:2])
+
+
+def validate(settings: ServeSettings) -> None:
+    """Raise InvalidInputError for strategies this benchmark does not know."""
+    unknown = set(settings.strategies) - set(STRATEGIES)
+    if unknown or not settings.strategies:
+        raise InvalidInputError(f"unknown strategies {sorted(unknown)}; choose from {', '.join(STRATEGIES)}")

@@ -1,0 +1,174 @@
+"""bench serve without engines: selection, the replay loop (order, concurrency, deadlines, failures), figures, loaders."""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from cpmemory.bench.loaders import load_locomo_sessions, load_synthetic
+from cpmemory.bench.serve import report_json
+from cpmemory.bench.serve_clients import Sent, lines_of, read_stream
+from cpmemory.bench.serve_run import FIGURES, ServeSettings, StrategyRun, percentile, replay, select_jobs
+from cpmemory.errors import EngineError
+
+DATA = next((p for p in (Path.cwd() / ".." / "shared" / "data", Path("/work/shared/data")) if p.is_dir()), None)
+
+
+def settings_of(**fields) -> ServeSettings:
+    return ServeSettings(engines=("http://127.0.0.1:1",), **fields)
+
+
+def multi_turn_trace(sessions: int = 5, turns: int = 4):
+    return load_synthetic(requests=sessions * turns, blocks_per_request=3, corpus_size=20, block_words=10,
+                          turns_per_session=turns)
+
+
+def test_select_takes_whole_sessions_in_turn_order_and_cuts_the_last():
+    trace = multi_turn_trace(sessions=5, turns=4)
+    jobs = select_jobs(trace, settings_of(requests=10), "r")
+    assert [len(session) for session in jobs] == [4, 4, 2]
+    for session in jobs:
+        assert [job.request.turn for job in session] == sorted(job.request.turn for job in session)
+        assert len({job.conversation for job in session}) == 1
+    assert len(select_jobs(trace, settings_of(requests=100, max_turns=2), "r")[0]) == 2
+
+
+def test_independent_requests_get_a_conversation_each():
+    trace = load_synthetic(requests=12, blocks_per_request=3, corpus_size=10, block_words=5)
+    jobs = select_jobs(trace, settings_of(requests=8), "r")
+    conversations = [job.conversation for session in jobs for job in session]
+    assert len(conversations) == 8 and len(set(conversations)) == 8
+
+
+def test_poisson_arrivals_are_seeded_and_increasing():
+    trace = multi_turn_trace()
+    first = [job.arrival_s for s in select_jobs(trace, settings_of(rate=4.0, seed=3), "a") for job in s]
+    again = [job.arrival_s for s in select_jobs(trace, settings_of(rate=4.0, seed=3), "b") for job in s]
+    assert first == again and len(set(first)) == len(first)
+    assert sorted(first)[-1] == pytest.approx(sum(b - a for a, b in zip(sorted(first), sorted(first)[1:])))
+
+
+class FakeClient:
+    """Records the order of sends and the peak of concurrent sends; optional hangs and failures."""
+
+    def __init__(self, delay_s: float = 0.01, hang: set[str] = frozenset(), fail: set[str] = frozenset()) -> None:
+        self.delay_s, self.hang, self.fail = delay_s, hang, fail
+        self.order: dict[str, list[str]] = defaultdict(list)
+        self.in_flight = self.peak = 0
+
+    async def send(self, conversation, blocks, query, multi_turn):
+        self.in_flight += 1
+        self.peak = max(self.peak, self.in_flight)
+        try:
+            self.order[conversation].append(query)
+            if query in self.hang:
+                await asyncio.sleep(3600)
+            await asyncio.sleep(self.delay_s)
+            if query in self.fail:
+                raise EngineError("replica on fire")
+            return Sent(0.001, self.delay_s, 100, 50, 0, None)
+        finally:
+            self.in_flight -= 1
+
+
+def test_replay_keeps_turn_order_and_bounds_concurrency():
+    trace = multi_turn_trace(sessions=6, turns=3)
+    sessions = select_jobs(trace, settings_of(requests=18), "r")
+    client = FakeClient()
+    outcomes, wall = asyncio.run(replay(client, sessions, True, settings_of(requests=18, concurrency=2)))
+    assert len(outcomes) == 18 and client.peak == 2 and wall > 0
+    for session in sessions:
+        assert client.order[session[0].conversation] == [job.request.query for job in session]
+
+
+def test_a_hung_request_ends_at_its_deadline_and_the_session_goes_on():
+    trace = multi_turn_trace(sessions=2, turns=3)
+    sessions = select_jobs(trace, settings_of(requests=6), "r")
+    hung, failing = sessions[0][0].request.query, sessions[1][1].request.query
+    client = FakeClient(hang={hung}, fail={failing})
+    started = time.perf_counter()
+    outcomes, _ = asyncio.run(replay(client, sessions, True, settings_of(requests=6, timeout_s=0.3)))
+    assert time.perf_counter() - started < 2.0
+    errors = {o.job.request.query: o.error for o in outcomes if o.error}
+    assert errors.keys() == {hung, failing}
+    assert errors[hung].startswith("timeout") and "replica on fire" in errors[failing]
+    run = StrategyRun("cpmemory", outcomes=outcomes, wall_s=1.0)
+    figures = run.figures()
+    assert tuple(figures) == FIGURES and figures["errors"] == 2 and figures["prompt_tokens"] == 400
+    assert run.details()["errors_by_kind"] == {"timeout": 1, "EngineError": 1}
+
+
+def test_rate_mode_sends_no_turn_before_its_arrival():
+    trace = multi_turn_trace(sessions=3, turns=2)
+    chosen = settings_of(requests=6, rate=20.0, seed=1)
+    sessions = select_jobs(trace, chosen, "r")
+    outcomes, _ = asyncio.run(replay(FakeClient(delay_s=0.0), sessions, True, chosen))
+    assert all(o.started_s >= o.job.arrival_s - 1e-3 for o in outcomes)
+
+
+@given(st.lists(st.floats(0, 1e6, allow_nan=False), min_size=1, max_size=50), st.floats(0.01, 1.0))
+@settings(max_examples=50, deadline=None)
+def test_percentile_is_an_element_with_enough_mass_below(values, fraction):
+    value = percentile(values, fraction)
+    assert value in values
+    assert sum(v <= value for v in values) >= fraction * len(values) - 1e-9
+
+
+def test_report_speedup_and_exact_strategy_keys():
+    trace = multi_turn_trace(sessions=1, turns=2)
+    job = select_jobs(trace, settings_of(requests=2), "r")[0][0]
+    from cpmemory.bench.serve_run import Outcome
+
+    def run(name, ttft):
+        return StrategyRun(name, [Outcome(job, 0.0, ttft, ttft, 10, 5)], wall_s=2.0)
+
+    report = report_json(trace, settings_of(), {"original": run("original", 300.0), "cpmemory": run("cpmemory", 100.0)},
+                         [], 1)
+    assert report["ttft_mean_speedup"] == 3.0
+    assert all(tuple(s) == FIGURES for s in report["strategies"].values())
+    json.dumps(report)
+
+
+async def _chunks(parts):
+    for part in parts:
+        yield part
+
+
+def test_stream_reader_splits_any_chunking_and_needs_an_end():
+    body = (b'data: {"choices":[{"delta":{"role":"assistant"}}]}\n\ndata: {"choices":[{"delta":{"content":"Hi"}}]}\n\n'
+            b'data: {"choices":[{"delta":{},"finish_reason":"length"}],"usage":{"prompt_tokens":9,'
+            b'"prompt_tokens_details":{"cached_tokens":4}}}\n\ndata: [DONE]\n\n')
+    for size in (1, 7, len(body)):
+        parts = [body[i:i + size] for i in range(0, len(body), size)]
+        accumulator = asyncio.run(read_stream(_chunks(parts), time.perf_counter()))
+        assert "".join(accumulator.parts) == "Hi" and accumulator.usage["prompt_tokens"] == 9
+    with pytest.raises(EngineError):
+        asyncio.run(read_stream(_chunks([body[:60]]), time.perf_counter()))
+    with pytest.raises(EngineError):
+        asyncio.run(read_stream(_chunks([b'data: {"error": {"message": "x"}}\n']), time.perf_counter()))
+
+    async def collect():
+        return [line async for line in lines_of(_chunks([b"a\nb", b"c\n", b"d"]))]
+
+    assert asyncio.run(collect()) == ["a", "bc", "d"]
+
+
+@pytest.mark.skipif(DATA is None, reason="no ../shared/data on this machine")
+def test_locomo_sessions_are_whole_sessions_of_the_own_conversation():
+    trace = load_locomo_sessions(DATA, top_k=4)
+    assert not trace.multi_turn and len(trace.requests) > 1000
+    first = trace.requests[0]
+    assert len(first.blocks) == 4 and all(block.id.startswith("conv-26:session_") for block in first.blocks)
+    assert all(block.text.startswith("Session ") and block.text.count("\n") >= 5 for block in first.blocks)
+
+
+def test_synthetic_fixed_block_length():
+    trace = load_synthetic(requests=5, blocks_per_request=3, corpus_size=10, block_words=80, name="synthetic300")
+    assert trace.name == "synthetic300"
+    assert {len(block.text.split(". ", 1)[1].split()) for r in trace.requests for block in r.blocks} == {80}
