@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import sys
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -107,23 +108,25 @@ async def strategy_client(name: str, settings: ServeSettings, system_prompt: str
 
 
 async def engine_facts(settings: ServeSettings) -> list[dict[str, Any]]:
-    """Each engine's KV cache (tokens, from ``/metrics``) and one untimed warm-up request. Never raises."""
+    """Each engine's KV cache (tokens, from ``/metrics``) after one untimed warm-up request, all engines at once,
+    each call bounded by the engine timeout. Never raises."""
     from cpmemory.engines.client import AsyncEngineClient, EngineSettings
     from cpmemory.errors import EngineError
 
-    facts = []
-    for url in settings.engines:
+    async def one(url: str) -> dict[str, Any]:
         row: dict[str, Any] = {"url": url, "kv_cache_tokens": None, "block_size": None}
+        engine = EngineSettings(base_url=url, model=settings.model, timeout_s=settings.engine_timeout_s)
         try:
-            async with AsyncEngineClient(EngineSettings(base_url=url, model=settings.model, timeout_s=60)) as client:
+            async with AsyncEngineClient(engine) as client:
+                await client.chat([{"role": "user", "content": "warm up"}], max_tokens=1, stream=True)
                 config = await client.cache_config()
                 row["block_size"] = config.block_size
                 row["kv_cache_tokens"] = config.num_blocks * config.block_size if config.num_blocks else None
-                await client.chat([{"role": "user", "content": "warm up"}], max_tokens=1, stream=True)
         except EngineError as error:
             row["error"] = str(error)[:200]
-        facts.append(row)
-    return facts
+        return row
+
+    return list(await asyncio.gather(*(one(url) for url in settings.engines)))
 
 
 async def run_serve(trace: Trace, settings: ServeSettings,
@@ -138,10 +141,12 @@ async def run_serve(trace: Trace, settings: ServeSettings,
     run_id = uuid.uuid4().hex[:8]  # one per run: both strategies route each conversation to the same replica
     sessions = select_jobs(trace, settings, run_id)
     for name in settings.strategies:
-        run = StrategyRun(name, reset=await reset_prefix_caches(settings.engines))
+        run = StrategyRun(name, reset=await reset_prefix_caches(settings.engines, settings.engine_timeout_s))
+        before = os.getloadavg()[0]
         async with strategy_client(name, settings, DEFAULT_SYSTEM_PROMPT) as client:
             advance = (lambda outcome, name=name: progress(name, outcome)) if progress else None
             run.outcomes, run.wall_s = await replay(client, sessions, trace.multi_turn, settings, advance)
+        run.load_average = (before, os.getloadavg()[0])  # 1-minute load at start and end: how shared the CPUs were
         check_losses(run)
         runs[name] = run
     return report_json(trace, settings, runs, engines, len(sessions))

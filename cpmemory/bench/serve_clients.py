@@ -177,14 +177,20 @@ class ProxyClient:
 
 
 async def reset_prefix_caches(urls: Sequence[str], timeout_s: float = 10.0) -> dict[str, bool]:
-    """``POST /reset_prefix_cache`` on every engine (vLLM dev mode); url -> whether it was emptied. Never raises."""
+    """``POST /reset_prefix_cache`` on every engine at once (vLLM dev mode); url -> whether it was emptied.
+
+    Each call is bounded by ``timeout_s``; never raises.
+    """
+    import asyncio
+
     from cpmemory.engines.client import AsyncEngineClient, EngineSettings
 
-    done: dict[str, bool] = {}
-    for url in urls:
+    async def one(url: str) -> bool:
         try:
             async with AsyncEngineClient(EngineSettings(base_url=url, timeout_s=timeout_s)) as client:
-                done[url] = await client.reset_prefix_cache(attempts=25, wait_s=0.2)
-        except EngineError:
-            done[url] = False
-    return done
+                return await asyncio.wait_for(client.reset_prefix_cache(attempts=25, wait_s=0.2), 2 * timeout_s + 5)
+        except (EngineError, asyncio.TimeoutError):
+            return False
+
+    results = await asyncio.gather(*(one(url) for url in urls))
+    return dict(zip(urls, results))

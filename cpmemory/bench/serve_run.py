@@ -92,6 +92,7 @@ class StrategyRun:
     lost_blocks: int = 0
     unchecked: int = 0
     loss_samples: list[str] = field(default_factory=list)
+    load_average: tuple[float, float] = (0.0, 0.0)
 
     def answered(self) -> list[Outcome]:
         """Outcomes without an error."""
@@ -122,7 +123,8 @@ class StrategyRun:
                 "errors_by_kind": dict(kinds), "error_samples": list(dict.fromkeys(errors))[:5],
                 "requests_per_replica": dict(sorted(replicas.items())), "unchecked": self.unchecked,
                 "loss_samples": self.loss_samples[:5], "reset": self.reset,
-                "peak_working_set_tokens": peak_working_set(self.outcomes)}
+                "peak_working_set_tokens": peak_working_set(self.outcomes),
+                "machine_load_average": [round(value, 2) for value in self.load_average]}
 
 
 def percentile(values: Sequence[float], fraction: float) -> float:
