@@ -47,18 +47,23 @@ DEFAULT_MAX_TURNS = 6
 
 
 @contextlib.asynccontextmanager
-async def in_process_proxy(settings: ServeSettings) -> AsyncIterator[tuple[str, Any]]:
-    """Serve a ``cpmemory serve`` app on a free loopback port in this event loop; yields (URL, recording transport)."""
+async def in_process_proxy(settings: ServeSettings, cache_tokens: int | None = None
+                           ) -> AsyncIterator[tuple[str, Any]]:
+    """Serve a ``cpmemory serve`` app on a free loopback port in this event loop; yields (URL, recording transport).
+
+    The proxy gets the engines (and ``upstream``, ``kv_events``) of ``settings``; without KV events its router's view
+    of what each replica caches assumes ``cache_tokens`` per replica (the engines' own KV cache size when known).
+    """
     import uvicorn
 
     from cpmemory.bench.load import RecordingTransport, _free_port
     from cpmemory.routing.transport import HttpxChatTransport
     from cpmemory.server.app import ServerConfig, create_app
 
-    urls = [settings.upstream] if settings.upstream else list(settings.engines)
-    kv_events = [] if settings.upstream else list(settings.kv_events)
     recording = RecordingTransport(HttpxChatTransport())
-    config = ServerConfig(engines=urls, kv_events=kv_events, engine_timeout_s=settings.engine_timeout_s)
+    config = ServerConfig(engines=list(settings.engines), upstream=settings.upstream,
+                          kv_events=list(settings.kv_events), engine_timeout_s=settings.engine_timeout_s,
+                          **({"replica_cache_tokens": cache_tokens} if cache_tokens else {}))
     port = _free_port()
     server = uvicorn.Server(uvicorn.Config(create_app(config, transport=recording), host="127.0.0.1", port=port,
                                            log_level="error", lifespan="on", timeout_keep_alive=600))
@@ -77,14 +82,16 @@ async def in_process_proxy(settings: ServeSettings) -> AsyncIterator[tuple[str, 
 
 
 @contextlib.asynccontextmanager
-async def strategy_client(name: str, settings: ServeSettings, system_prompt: str) -> AsyncIterator[Any]:
+async def strategy_client(name: str, settings: ServeSettings, system_prompt: str,
+                          cache_tokens: int | None = None) -> AsyncIterator[Any]:
     """The client of one strategy (see :mod:`cpmemory.bench.serve_clients`), closed on exit."""
     from cpmemory.bench.serve_clients import DirectClient, ProxyClient
 
     if name == "original":
         urls = [settings.upstream] if settings.upstream else list(settings.engines)
         client: Any = DirectClient(urls, model=settings.model, max_tokens=settings.max_tokens,
-                                   timeout_s=settings.engine_timeout_s, system_prompt=system_prompt)
+                                   timeout_s=settings.engine_timeout_s, system_prompt=system_prompt,
+                                   failover=settings.upstream is None)
         try:
             yield client
         finally:
@@ -98,7 +105,7 @@ async def strategy_client(name: str, settings: ServeSettings, system_prompt: str
         finally:
             await client.aclose()
         return
-    async with in_process_proxy(settings) as (url, recording):
+    async with in_process_proxy(settings, cache_tokens) as (url, recording):
         client = ProxyClient(url, model=settings.model, max_tokens=settings.max_tokens,
                              timeout_s=settings.timeout_s, recording=recording)
         try:
@@ -137,13 +144,15 @@ async def run_serve(trace: Trace, settings: ServeSettings,
 
     validate(settings)
     engines = await engine_facts(settings)
+    known = [row["kv_cache_tokens"] for row in engines if row.get("kv_cache_tokens")]
+    cache_tokens = min(known) if known else None
     runs: dict[str, StrategyRun] = {}
     run_id = uuid.uuid4().hex[:8]  # one per run: both strategies route each conversation to the same replica
     sessions = select_jobs(trace, settings, run_id)
     for name in settings.strategies:
         run = StrategyRun(name, reset=await reset_prefix_caches(settings.engines, settings.engine_timeout_s))
         before = os.getloadavg()[0]
-        async with strategy_client(name, settings, DEFAULT_SYSTEM_PROMPT) as client:
+        async with strategy_client(name, settings, DEFAULT_SYSTEM_PROMPT, cache_tokens) as client:
             advance = (lambda outcome, name=name: progress(name, outcome)) if progress else None
             run.outcomes, run.wall_s = await replay(client, sessions, trace.multi_turn, settings, advance)
         run.load_average = (before, os.getloadavg()[0])  # 1-minute load at start and end: how shared the CPUs were

@@ -84,16 +84,18 @@ class DirectClient:
     """Strategy ``original``: full prompts straight to the engines (see the module docstring)."""
 
     def __init__(self, urls: Sequence[str], *, model: str, max_tokens: int, timeout_s: float, system_prompt: str,
-                 transport: Any = None) -> None:
-        """Wire a router over ``urls`` (engines, or one upstream router); no IO."""
+                 failover: bool = True, transport: Any = None) -> None:
+        """Wire a conversation-affinity router over ``urls`` (engines, or one upstream router with
+        ``failover=False``); no IO."""
         import httpx
 
         from cpmemory.routing.dispatch import Dispatcher
-        from cpmemory.routing.router import Router
+        from cpmemory.routing.router import Router, RouterConfig
         from cpmemory.routing.transport import HttpxChatTransport
 
         client = httpx.AsyncClient(limits=httpx.Limits(max_connections=1024), transport=transport)
-        self.dispatcher = Dispatcher(Router(list(urls)), HttpxChatTransport(client), timeout_s=timeout_s)
+        router = Router(list(urls), RouterConfig(policy="affinity"))
+        self.dispatcher = Dispatcher(router, HttpxChatTransport(client), timeout_s=timeout_s, failover=failover)
         self.model, self.max_tokens, self.system_prompt = model, max_tokens, system_prompt
         self.history: dict[str, list[dict[str, str]]] = defaultdict(list)
 
