@@ -112,6 +112,10 @@ class EngineStatusError(EngineError):
         self.url = url
 
 
+class EngineGatewayError(EngineUnreachableError, EngineStatusError):
+    """The replica answered 502, 503 or 504: a status error that is also safe to retry on another replica."""
+
+
 class NoHealthyReplicaError(EngineError):
     """No engine replica is available."""
 

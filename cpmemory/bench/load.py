@@ -118,23 +118,15 @@ def _free_port() -> int:
 
 def build_proxy(engine: str, replicas: int) -> tuple[Any, RecordingTransport]:
     """The proxy app over mock engines (``engine == "mock"``) or the given loopback URLs (comma separated)."""
-    import httpx
-
     from cpmemory.routing.transport import HttpxChatTransport
     from cpmemory.server.app import ServerConfig, create_app
 
     if engine == "mock":
-        from cpmemory.testing.mock_engine import MockEngine
+        from cpmemory.testing.fleet import MockFleet
 
-        engines = {f"mock-{i}": MockEngine(block_size=128, capacity_blocks=1 << 14) for i in range(replicas)}
-
-        class _Fleet(httpx.AsyncBaseTransport):
-            async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
-                await request.aread()
-                return engines[request.url.host].handle(request)
-
-        urls = [f"http://{name}" for name in engines]
-        inner = HttpxChatTransport(httpx.AsyncClient(transport=_Fleet()))
+        fleet = MockFleet([f"http://mock-{i}" for i in range(replicas)], block_size=128, capacity_blocks=1 << 14)
+        urls = fleet.urls
+        inner = fleet.chat_transport()
     else:
         urls = [url.strip() for url in engine.split(",") if url.strip()]
         for url in urls:

@@ -1,36 +1,71 @@
-"""HTTP clients for OpenAI-compatible engines (vLLM; SGLang-compatible request ids), sync and async.
+"""The HTTP client for OpenAI-compatible engines (vLLM; SGLang-compatible request ids), sync and async.
 
-The request building and response parsing are sans-IO functions shared by :class:`EngineClient` and
-:class:`AsyncEngineClient`; the two classes only move bytes. Tests swap the network for an in-process engine
-through httpx's transport seam (see :mod:`cpmemory.testing.mock_engine`).
-
-Every chat request carries its request id twice: ``X-Request-Id`` (vLLM names the completion after it) and the
-body field ``request_id`` (vLLM's and SGLang's extension field). ``cache_salt`` isolates a tenant's prefix cache
-(vLLM); ``usage.prompt_tokens_details.cached_tokens`` is read back (servers need
-``--enable-prompt-tokens-details``; streams ask for ``stream_options.include_usage``).
+What goes over the wire is built and read by :mod:`cpmemory.engines.openai_wire` (sans-IO); the classes here only
+move bytes. :class:`AsyncEngineClient` is the one asynchronous client: the router's transport
+(:class:`cpmemory.routing.transport.HttpxChatTransport`) and the proxy's KV sync use it too, one instance per
+replica over one shared connection pool. :class:`EngineClient` is its synchronous twin. Tests swap the network for
+an in-process engine through httpx's transport seam (:mod:`cpmemory.testing.mock_engine`).
 
 Errors::
 
-    EngineError                      connection refused, reset, timeout, malformed response
-    └── EngineStatusError            the engine answered with an HTTP error status (``status_code``, ``body``)
+    EngineError
+    ├── EngineUnreachableError      connection refused / reset, timeout, a body that is not JSON: another
+    │   │                           replica may serve the call
+    │   └── EngineGatewayError      502, 503, 504 (also an EngineStatusError)
+    └── EngineStatusError           the engine answered with another HTTP error status (``status_code``, ``body``)
+    InvalidInputError               the request cannot be encoded (a lone surrogate): nothing was sent
 
 There are no retries: the router fails over to another replica instead.
 """
 from __future__ import annotations
 
-import json
-import re
+import asyncio
 import time
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+import uuid
+from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 from typing_extensions import Self
 
-from cpmemory.errors import EngineError, EngineStatusError, MissingDependencyError
+from cpmemory.engines.openai_wire import (
+    CHAT_PATH,
+    ChatResult,
+    Message,
+    SseLineBuffer,
+    StreamState,
+    chat_body,
+    encode_body,
+    parse_chat_response,
+    parse_tokenize,
+    parse_usage,
+    request_headers,
+    sse_data,
+    tokenize_body,
+)
+from cpmemory.engines.vllm_admin import (
+    CacheConfig,
+    metric_total,
+    parse_cache_config,
+    parse_metrics,
+    reset_succeeded,
+)
+from cpmemory.errors import (
+    EngineError,
+    EngineGatewayError,
+    EngineStatusError,
+    EngineUnreachableError,
+    MissingDependencyError,
+)
 
-Message = Mapping[str, Any]
+__all__ = [
+    "AsyncEngineClient", "CacheConfig", "ChatResult", "EngineClient", "EngineSettings", "EngineStatusError",
+    "StreamAccumulator", "chat_body", "metric_total", "parse_cache_config", "parse_chat_response", "parse_metrics",
+    "parse_tokenize", "request_headers", "tokenize_body",
+]
+
+UNREACHABLE_STATUSES = frozenset({502, 503, 504})
+JSON_HEADERS = {"Content-Type": "application/json"}
 
 
 class EngineSettings(BaseModel):
@@ -47,218 +82,55 @@ class EngineSettings(BaseModel):
         ("request_id",), description='body fields carrying the request id: ("request_id",) for vLLM, ("rid",) for SGLang')
 
 
-@dataclass(frozen=True, slots=True)
-class ChatResult:
-    """One finished chat completion.
-
-    Attributes:
-        request_id: the id sent with the request.
-        content: the generated text.
-        prompt_tokens / completion_tokens / cached_tokens: from the usage block (cached_tokens is None when
-            the engine does not report it).
-        ttft_s: time to the first generated token (streams only; None otherwise).
-        total_s: time to the end of the response.
-    """
-
-    request_id: str
-    content: str
-    prompt_tokens: int | None
-    completion_tokens: int | None
-    cached_tokens: int | None
-    finish_reason: str | None
-    ttft_s: float | None
-    total_s: float
-    response_id: str | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class CacheConfig:
-    """The engine's KV-cache configuration, from ``/metrics`` ``vllm:cache_config_info``."""
-
-    block_size: int
-    hash_algorithm: str
-    prefix_caching: bool
-    num_blocks: int | None
-
-
-# -- sans-IO: requests ---------------------------------------------------------------------------------------
-def chat_body(messages: Sequence[Message], *, model: str, request_id: str, stream: bool, max_tokens: int | None,
-              cache_salt: str | None = None, extra: Mapping[str, Any] | None = None,
-              id_fields: Sequence[str] = ("request_id",)) -> dict[str, Any]:
-    """The JSON body of a chat completion. ``extra`` fields are added last (temperature, vllm_xargs, ...)."""
-    body: dict[str, Any] = {"model": model, "messages": [dict(message) for message in messages], "stream": stream}
-    for field_name in id_fields:
-        body[field_name] = request_id
-    if max_tokens is not None:
-        body["max_tokens"] = max_tokens
-    if stream:
-        body["stream_options"] = {"include_usage": True}
-    if cache_salt:
-        body["cache_salt"] = cache_salt
-    if extra:
-        body.update(extra)
-    return body
-
-
-def request_headers(request_id: str | None, api_key: str | None) -> dict[str, str]:
-    """Headers for one request: the request id (vLLM and SGLang read X-Request-Id) and the bearer token."""
-    headers: dict[str, str] = {}
-    if request_id:
-        headers["X-Request-Id"] = request_id
-    if api_key:
-        headers["Authorization"] = f"Bearer {api_key}"
-    return headers
-
-
-def tokenize_body(messages: Sequence[Message] | None, prompt: str | None, model: str) -> dict[str, Any]:
-    """Body of ``/tokenize``: chat messages (template applied, generation prompt added, as for a chat request)."""
-    if (messages is None) == (prompt is None):
-        raise ValueError("give exactly one of messages or prompt")
-    if messages is not None:
-        return {"model": model, "messages": [dict(message) for message in messages],
-                "add_generation_prompt": True}
-    return {"model": model, "prompt": prompt}
-
-
-# -- sans-IO: responses --------------------------------------------------------------------------------------
-def _usage_numbers(usage: Mapping[str, Any] | None) -> tuple[int | None, int | None, int | None]:
-    if not isinstance(usage, Mapping):
-        return None, None, None
-    details = usage.get("prompt_tokens_details")
-    cached = details.get("cached_tokens") if isinstance(details, Mapping) else None
-    return usage.get("prompt_tokens"), usage.get("completion_tokens"), cached
-
-
-def parse_chat_response(payload: Any, *, request_id: str, total_s: float) -> ChatResult:
-    """Parse a non-streamed chat completion.
-
-    Raises:
-        EngineError: the payload is not a chat completion.
-    """
-    try:
-        choice = payload["choices"][0]
-        content = choice["message"].get("content") or ""
-    except (KeyError, IndexError, TypeError, AttributeError) as error:
-        raise EngineError(f"malformed chat completion: {str(payload)[:200]}") from error
-    prompt, completion, cached = _usage_numbers(payload.get("usage"))
-    return ChatResult(request_id=request_id, content=content, prompt_tokens=prompt, completion_tokens=completion,
-                      cached_tokens=cached, finish_reason=choice.get("finish_reason"), ttft_s=None,
-                      total_s=total_s, response_id=payload.get("id"))
-
-
 class StreamAccumulator:
-    """Folds server-sent-event lines of a streamed chat completion into a :class:`ChatResult`. Mutable."""
+    """Folds the SSE lines of a streamed chat completion into a :class:`ChatResult` (choice 0). Mutable."""
 
     def __init__(self, request_id: str, started: float) -> None:
+        """Start a stream sent at ``started`` (a ``time.perf_counter`` value)."""
         self.request_id = request_id
         self.started = started
         self.first_token_at: float | None = None
-        self.parts: list[str] = []
-        self.usage: Mapping[str, Any] | None = None
-        self.finish_reason: str | None = None
-        self.response_id: str | None = None
-        self.done = False
+        self.state = StreamState()
 
-    def feed_line(self, line: str, now: float) -> str | None:
-        """Consume one SSE line; return the text delta it carried (None for none).
+    @property
+    def done(self) -> bool:
+        """True once ``[DONE]`` was read."""
+        return self.state.done
+
+    def feed_line(self, line: str | bytes, now: float) -> str | None:
+        """Consume one SSE line; return the text it added to choice 0 (None for none).
 
         Raises:
-            EngineError: a data line that is not JSON, or an error object sent in the stream.
+            EngineError: a data line that is not a JSON object, or an error object sent in the stream.
         """
-        if not line.startswith("data:"):
+        data = sse_data(line.encode("utf-8", "surrogatepass") if isinstance(line, str) else line)
+        if data is None:
             return None
-        data = line[5:].strip()
-        if data == "[DONE]":
-            self.done = True
+        chunk, added = self.state.apply_data(data)
+        if chunk is None:
+            if data != b"[DONE]":
+                raise EngineError(f"malformed stream chunk: {data[:200]!r}")
             return None
-        try:
-            chunk = json.loads(data)
-        except json.JSONDecodeError as error:
-            raise EngineError(f"malformed stream chunk: {data[:200]}") from error
-        if not isinstance(chunk, dict):
-            raise EngineError(f"malformed stream chunk: {data[:200]}")
         if "error" in chunk:
             raise EngineError(f"engine error in stream: {str(chunk['error'])[:300]}")
-        self.response_id = self.response_id or chunk.get("id")
-        if chunk.get("usage"):
-            self.usage = chunk["usage"]
-        delta_text: str | None = None
-        for choice in chunk.get("choices") or ():
-            piece = (choice.get("delta") or {}).get("content") or choice.get("text")
-            if piece:
-                delta_text = (delta_text or "") + piece
-            self.finish_reason = choice.get("finish_reason") or self.finish_reason
-        if delta_text is not None or (self.finish_reason and self.first_token_at is None):
+        piece = added.get(0)
+        if self.first_token_at is None and (piece is not None or self.state.finish_reason() is not None):
             # a first token that decodes to nothing still ends the prefill: count the finish as first token
-            self.first_token_at = self.first_token_at or now
-        if delta_text:
-            self.parts.append(delta_text)
-        return delta_text
+            self.first_token_at = now
+        return piece
 
     def result(self, now: float) -> ChatResult:
         """The finished result (TTFT measured from ``started``)."""
-        prompt, completion, cached = _usage_numbers(self.usage)
+        usage = parse_usage(self.state.usage)
         ttft = None if self.first_token_at is None else self.first_token_at - self.started
-        return ChatResult(request_id=self.request_id, content="".join(self.parts), prompt_tokens=prompt,
-                          completion_tokens=completion, cached_tokens=cached, finish_reason=self.finish_reason,
-                          ttft_s=ttft, total_s=now - self.started, response_id=self.response_id)
+        return ChatResult(request_id=self.request_id, content=self.state.text(), prompt_tokens=usage.prompt_tokens,
+                          completion_tokens=usage.completion_tokens, cached_tokens=usage.cached_tokens,
+                          finish_reason=self.state.finish_reason(), ttft_s=ttft, total_s=now - self.started,
+                          response_id=self.state.response_id)
 
 
-def parse_tokenize(payload: Any) -> list[int]:
-    """Token ids from a ``/tokenize`` answer. Raises EngineError when malformed."""
-    tokens = payload.get("tokens") if isinstance(payload, dict) else None
-    if not isinstance(tokens, list) or not all(isinstance(token, int) for token in tokens):
-        raise EngineError(f"malformed /tokenize answer: {str(payload)[:200]}")
-    return tokens
-
-
-_METRIC_LINE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
-_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
-
-
-def parse_metrics(text: str) -> list[tuple[str, dict[str, str], float]]:
-    """Parse Prometheus text exposition into ``(name, labels, value)`` samples (comments skipped)."""
-    samples = []
-    for line in text.splitlines():
-        match = _METRIC_LINE.match(line)
-        if not match or line.startswith("#"):
-            continue
-        labels = dict(_LABEL.findall(match.group(2) or ""))
-        try:
-            samples.append((match.group(1), labels, float(match.group(3))))
-        except ValueError:
-            continue
-    return samples
-
-
-def metric_total(samples: Iterable[tuple[str, dict[str, str], float]], name: str) -> float | None:
-    """Sum of every sample named ``name`` (over label sets); None when absent."""
-    values = [value for sample_name, _labels, value in samples if sample_name == name]
-    return sum(values) if values else None
-
-
-def parse_cache_config(text: str) -> CacheConfig:
-    """The KV-cache configuration from ``/metrics``. Raises EngineError when ``vllm:cache_config_info`` is absent."""
-    for name, labels, _value in parse_metrics(text):
-        if name == "vllm:cache_config_info" and labels.get("block_size", "").isdigit():
-            blocks = labels.get("num_gpu_blocks", "")
-            return CacheConfig(block_size=int(labels["block_size"]),
-                               hash_algorithm=labels.get("prefix_caching_hash_algo", "sha256"),
-                               prefix_caching=labels.get("enable_prefix_caching", "True") == "True",
-                               num_blocks=int(blocks) if blocks.isdigit() else None)
-    raise EngineError("the engine's /metrics has no vllm:cache_config_info with a block_size")
-
-
-def reset_succeeded(response: Any) -> bool:
-    """Whether a ``/reset_prefix_cache`` answer reports success (an empty or non-JSON 200 counts as success)."""
-    try:
-        payload = response.json()
-    except ValueError:
-        return True
-    return not (isinstance(payload, dict) and payload.get("success") is False)
-
-
-def _import_httpx():
+# -- shared by both clients ----------------------------------------------------------------------------------
+def _import_httpx() -> Any:
     try:
         import httpx
     except ImportError as error:
@@ -267,25 +139,66 @@ def _import_httpx():
 
 
 def _map_error(error: Exception, url: str) -> EngineError:
-    httpx = _import_httpx()
-    if isinstance(error, httpx.TimeoutException):
-        return EngineError(f"engine {url} timed out ({type(error).__name__})")
-    return EngineError(f"engine {url} unreachable: {type(error).__name__}: {error}")
+    if isinstance(error, _import_httpx().TimeoutException):
+        return EngineUnreachableError(f"engine {url} timed out ({type(error).__name__})")
+    return EngineUnreachableError(f"engine {url} unreachable: {type(error).__name__}: {error}")
 
 
-def _timeout(settings: EngineSettings):
-    return _import_httpx().Timeout(settings.timeout_s, connect=settings.connect_timeout_s)
+def _check_status(status_code: int, body: bytes | str, url: str) -> None:
+    if status_code in UNREACHABLE_STATUSES:
+        raise EngineGatewayError(status_code, body, url)
+    if status_code >= 400:
+        raise EngineStatusError(status_code, body, url)
 
 
-def _check_status(response, url: str, body: str | None = None) -> None:
-    if response.status_code >= 400:
-        raise EngineStatusError(response.status_code, body if body is not None else response.text, url)
+def _json(response: Any, url: str) -> Any:
+    try:
+        return response.json()
+    except ValueError as error:
+        raise EngineUnreachableError(f"engine {url} sent non-JSON: {response.text[:200]}") from error
+
+
+def _json_object(response: Any, url: str) -> dict[str, Any]:
+    payload = _json(response, url)
+    if not isinstance(payload, dict):
+        raise EngineUnreachableError(f"engine {url} sent a non-object JSON body")
+    return payload
 
 
 def _new_request_id() -> str:
-    import uuid
-
     return f"cpm-{uuid.uuid4().hex}"
+
+
+def _chat_request(settings: EngineSettings, messages: Sequence[Message], request_id: str | None, *,
+                  max_tokens: int | None, cache_salt: str | None, stream: bool, extra: Mapping[str, Any] | None
+                  ) -> tuple[str, dict[str, Any], dict[str, str]]:
+    request_id = request_id or _new_request_id()
+    body = chat_body(messages, model=settings.model, request_id=request_id, stream=stream, max_tokens=max_tokens,
+                     cache_salt=cache_salt, extra=extra, id_fields=settings.request_id_fields)
+    return request_id, body, request_headers(request_id, settings.api_key)
+
+
+class EngineStream:
+    """An open streaming response: its bytes (transport errors become ``EngineUnreachableError``), and close."""
+
+    __slots__ = ("_response", "_url")
+
+    def __init__(self, response: Any, url: str) -> None:
+        """Wrap an open httpx response."""
+        self._response = response
+        self._url = url
+
+    async def aiter_bytes(self) -> AsyncIterator[bytes]:
+        """Yield the body as it arrives."""
+        try:
+            async for chunk in self._response.aiter_bytes():
+                yield chunk
+        except _import_httpx().HTTPError as error:
+            raise EngineUnreachableError(f"engine stream from {self._url} broke: {type(error).__name__}") from error
+
+    async def aclose(self) -> None:
+        """Close the response (idempotent)."""
+        await self._response.aclose()
 
 
 class EngineClient:
@@ -295,10 +208,11 @@ class EngineClient:
     """
 
     def __init__(self, settings: EngineSettings | str, *, transport: Any = None) -> None:
+        """Open a connection pool for ``settings.base_url`` (no IO yet)."""
         self.settings = EngineSettings(base_url=settings) if isinstance(settings, str) else settings
         httpx = _import_httpx()
-        self._http = httpx.Client(base_url=self.settings.base_url, timeout=_timeout(self.settings),
-                                  transport=transport)
+        timeout = httpx.Timeout(self.settings.timeout_s, connect=self.settings.connect_timeout_s)
+        self._http = httpx.Client(base_url=self.settings.base_url, timeout=timeout, transport=transport)
 
     @property
     def base_url(self) -> str:
@@ -315,19 +229,16 @@ class EngineClient:
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
-    def _send(self, method: str, path: str, **kwargs: Any):
+    def _send(self, method: str, path: str, body: Mapping[str, Any] | None = None,
+              headers: Mapping[str, str] | None = None) -> Any:
+        content = None if body is None else encode_body(body)
         try:
-            response = self._http.request(method, path, **kwargs)
+            response = self._http.request(method, path, content=content,
+                                          headers={**(JSON_HEADERS if body is not None else {}), **(headers or {})})
         except _import_httpx().HTTPError as error:
             raise _map_error(error, self.base_url) from error
-        _check_status(response, self.base_url)
+        _check_status(response.status_code, response.text, self.base_url)
         return response
-
-    def _json(self, response) -> Any:
-        try:
-            return response.json()
-        except ValueError as error:
-            raise EngineError(f"engine {self.base_url} sent non-JSON: {response.text[:200]}") from error
 
     def chat(self, messages: Sequence[Message], *, request_id: str | None = None, max_tokens: int | None = 256,
              cache_salt: str | None = None, stream: bool = False, extra: Mapping[str, Any] | None = None,
@@ -337,42 +248,41 @@ class EngineClient:
         Raises:
             EngineStatusError: the engine answered with an error status.
             EngineError: unreachable, timed out, or a malformed answer.
+            InvalidInputError: the messages cannot be encoded (nothing was sent).
         """
-        request_id = request_id or _new_request_id()
-        body = chat_body(messages, model=self.settings.model, request_id=request_id, stream=stream,
-                         max_tokens=max_tokens, cache_salt=cache_salt, extra=extra,
-                         id_fields=self.settings.request_id_fields)
-        headers = request_headers(request_id, self.settings.api_key)
-        if stream:
-            return self._chat_stream(body, headers, request_id)
+        request_id, body, headers = _chat_request(self.settings, messages, request_id, max_tokens=max_tokens,
+                                                  cache_salt=cache_salt, stream=stream, extra=extra)
         started = time.perf_counter()
-        response = self._send("POST", "/v1/chat/completions", json=body, headers=headers)
-        return parse_chat_response(self._json(response), request_id=request_id,
+        if stream:
+            return self._chat_stream(body, headers, request_id, started)
+        response = self._send("POST", CHAT_PATH, body, headers)
+        return parse_chat_response(_json(response, self.base_url), request_id=request_id,
                                    total_s=time.perf_counter() - started)
 
-    def _chat_stream(self, body: dict[str, Any], headers: dict[str, str], request_id: str) -> ChatResult:
-        started = time.perf_counter()
+    def _chat_stream(self, body: dict[str, Any], headers: dict[str, str], request_id: str,
+                     started: float) -> ChatResult:
         accumulator = StreamAccumulator(request_id, started)
-        httpx = _import_httpx()
+        content = encode_body(body)
         try:
-            with self._http.stream("POST", "/v1/chat/completions", json=body, headers=headers) as response:
+            with self._http.stream("POST", CHAT_PATH, content=content, headers={**JSON_HEADERS, **headers}) as response:
                 if response.status_code >= 400:
                     response.read()
-                    _check_status(response, self.base_url)
+                    _check_status(response.status_code, response.text, self.base_url)
                 for line in response.iter_lines():
                     accumulator.feed_line(line, time.perf_counter())
-        except httpx.HTTPError as error:
+        except _import_httpx().HTTPError as error:
             raise _map_error(error, self.base_url) from error
         return accumulator.result(time.perf_counter())
 
-    def tokenize(self, messages: Sequence[Message] | None = None, *, prompt: str | None = None) -> list[int]:
+    def tokenize(self, messages: Sequence[Message] | None = None, *, prompt: str | None = None,
+                 model: str | None = None) -> list[int]:
         """Token ids exactly as the engine builds them for a chat request (template + generation prompt)."""
-        response = self._send("POST", "/tokenize", json=tokenize_body(messages, prompt, self.settings.model))
-        return parse_tokenize(self._json(response))
+        response = self._send("POST", "/tokenize", tokenize_body(messages, prompt, model or self.settings.model))
+        return parse_tokenize(_json(response, self.base_url))
 
     def metrics_text(self) -> str:
         """The raw Prometheus text of ``/metrics``."""
-        return self._send("GET", "/metrics").text
+        return str(self._send("GET", "/metrics").text)
 
     def cache_config(self) -> CacheConfig:
         """Block size and hash algorithm of the engine's prefix cache (from ``/metrics``)."""
@@ -381,10 +291,9 @@ class EngineClient:
     def health(self) -> bool:
         """True when ``/health`` answers 200 in time; never raises."""
         try:
-            self._send("GET", "/health")
+            return bool(self._send("GET", "/health").status_code == 200)
         except EngineError:
             return False
-        return True
 
     def reset_prefix_cache(self, *, attempts: int = 10, wait_s: float = 0.2) -> bool:
         """``POST /reset_prefix_cache`` (vLLM dev mode, VLLM_SERVER_DEV_MODE=1). Returns False when refused.
@@ -405,13 +314,20 @@ class EngineClient:
 
 
 class AsyncEngineClient:
-    """Asynchronous twin of :class:`EngineClient` (same methods, awaited)."""
+    """Asynchronous client for one replica: the same methods as :class:`EngineClient`, awaited, plus the raw
+    calls the router's transport needs (:meth:`post_json`, :meth:`open_stream`).
 
-    def __init__(self, settings: EngineSettings | str, *, transport: Any = None) -> None:
+    ``http`` shares an ``httpx.AsyncClient`` (one pool for every replica; the caller closes it); otherwise the
+    client owns one (``transport`` replaces the network). Construction does no IO.
+    """
+
+    def __init__(self, settings: EngineSettings | str, *, transport: Any = None, http: Any = None) -> None:
+        """Use ``http`` or open a pool (no IO yet)."""
         self.settings = EngineSettings(base_url=settings) if isinstance(settings, str) else settings
         httpx = _import_httpx()
-        self._http = httpx.AsyncClient(base_url=self.settings.base_url, timeout=_timeout(self.settings),
-                                       transport=transport)
+        self._owns_http = http is None
+        self._http = http if http is not None else httpx.AsyncClient(transport=transport)
+        self._base = self.settings.base_url.rstrip("/")
 
     @property
     def base_url(self) -> str:
@@ -419,8 +335,9 @@ class AsyncEngineClient:
         return self.settings.base_url
 
     async def aclose(self) -> None:
-        """Close the connection pool."""
-        await self._http.aclose()
+        """Close the connection pool (only when this client opened it)."""
+        if self._owns_http:
+            await self._http.aclose()
 
     async def __aenter__(self) -> Self:
         return self
@@ -428,77 +345,105 @@ class AsyncEngineClient:
     async def __aexit__(self, *exc_info: object) -> None:
         await self.aclose()
 
-    async def _send(self, method: str, path: str, **kwargs: Any):
+    def _timeout(self, timeout_s: float | None) -> Any:
+        read = timeout_s if timeout_s is not None else self.settings.timeout_s
+        return _import_httpx().Timeout(read, connect=min(read, self.settings.connect_timeout_s))
+
+    def _request(self, method: str, path: str, body: Mapping[str, Any] | None, headers: Mapping[str, str] | None,
+                 timeout_s: float | None) -> Any:
+        content = None if body is None else encode_body(body)
+        merged = {**(JSON_HEADERS if body is not None else {}), **(headers or {})}
+        return self._http.build_request(method, self._base + path, content=content, headers=merged,
+                                        timeout=self._timeout(timeout_s))
+
+    async def _send(self, method: str, path: str, body: Mapping[str, Any] | None = None,
+                    headers: Mapping[str, str] | None = None, *, timeout_s: float | None = None) -> Any:
+        request = self._request(method, path, body, headers, timeout_s)
         try:
-            response = await self._http.request(method, path, **kwargs)
+            response = await self._http.send(request)
         except _import_httpx().HTTPError as error:
             raise _map_error(error, self.base_url) from error
-        _check_status(response, self.base_url)
+        _check_status(response.status_code, response.content, self.base_url)
         return response
 
-    def _json(self, response) -> Any:
+    async def post_json(self, path: str, body: Mapping[str, Any], headers: Mapping[str, str] | None = None, *,
+                        timeout_s: float | None = None) -> dict[str, Any]:
+        """POST a JSON body; return the JSON object answered.
+
+        Raises:
+            EngineUnreachableError: connection error, timeout, 502-504, or a body that is not a JSON object.
+            EngineStatusError: any other error status.
+            InvalidInputError: ``body`` cannot be encoded (nothing was sent).
+        """
+        return _json_object(await self._send("POST", path, body, headers, timeout_s=timeout_s), self.base_url)
+
+    async def open_stream(self, path: str, body: Mapping[str, Any], headers: Mapping[str, str] | None = None, *,
+                          timeout_s: float | None = None) -> EngineStream:
+        """POST a streaming request; return the open stream once its status is known to be 2xx (same errors as
+        :meth:`post_json`; the caller closes the stream)."""
+        request = self._request("POST", path, body, headers, timeout_s)
+        httpx = _import_httpx()
         try:
-            return response.json()
-        except ValueError as error:
-            raise EngineError(f"engine {self.base_url} sent non-JSON: {response.text[:200]}") from error
+            response = await self._http.send(request, stream=True)
+        except httpx.HTTPError as error:
+            raise _map_error(error, self.base_url) from error
+        if response.status_code >= 400:
+            try:
+                content = await response.aread()
+            except httpx.HTTPError:
+                content = b""
+            finally:
+                await response.aclose()
+            _check_status(response.status_code, content, self.base_url)
+        return EngineStream(response, self.base_url)
 
     async def chat(self, messages: Sequence[Message], *, request_id: str | None = None,
                    max_tokens: int | None = 256, cache_salt: str | None = None, stream: bool = False,
                    extra: Mapping[str, Any] | None = None) -> ChatResult:
         """Run one chat completion; see :meth:`EngineClient.chat`."""
-        request_id = request_id or _new_request_id()
-        body = chat_body(messages, model=self.settings.model, request_id=request_id, stream=stream,
-                         max_tokens=max_tokens, cache_salt=cache_salt, extra=extra,
-                         id_fields=self.settings.request_id_fields)
-        headers = request_headers(request_id, self.settings.api_key)
-        if stream:
-            return await self._chat_stream(body, headers, request_id)
+        request_id, body, headers = _chat_request(self.settings, messages, request_id, max_tokens=max_tokens,
+                                                  cache_salt=cache_salt, stream=stream, extra=extra)
         started = time.perf_counter()
-        response = await self._send("POST", "/v1/chat/completions", json=body, headers=headers)
-        return parse_chat_response(self._json(response), request_id=request_id,
-                                   total_s=time.perf_counter() - started)
-
-    async def _chat_stream(self, body: dict[str, Any], headers: dict[str, str], request_id: str) -> ChatResult:
-        started = time.perf_counter()
+        if not stream:
+            payload = await self.post_json(CHAT_PATH, body, headers)
+            return parse_chat_response(payload, request_id=request_id, total_s=time.perf_counter() - started)
         accumulator = StreamAccumulator(request_id, started)
-        httpx = _import_httpx()
+        opened = await self.open_stream(CHAT_PATH, body, headers)
+        lines = SseLineBuffer()
         try:
-            async with self._http.stream("POST", "/v1/chat/completions", json=body,
-                                         headers=headers) as response:
-                if response.status_code >= 400:
-                    await response.aread()
-                    _check_status(response, self.base_url)
-                async for line in response.aiter_lines():
+            async for chunk in opened.aiter_bytes():
+                for line in lines.feed(chunk):
                     accumulator.feed_line(line, time.perf_counter())
-        except httpx.HTTPError as error:
-            raise _map_error(error, self.base_url) from error
+            for line in lines.feed(b"\n"):
+                accumulator.feed_line(line, time.perf_counter())
+        finally:
+            await opened.aclose()
         return accumulator.result(time.perf_counter())
 
-    async def tokenize(self, messages: Sequence[Message] | None = None, *, prompt: str | None = None) -> list[int]:
+    async def tokenize(self, messages: Sequence[Message] | None = None, *, prompt: str | None = None,
+                       model: str | None = None) -> list[int]:
         """Token ids as the engine builds them; see :meth:`EngineClient.tokenize`."""
-        response = await self._send("POST", "/tokenize", json=tokenize_body(messages, prompt, self.settings.model))
-        return parse_tokenize(self._json(response))
+        body = tokenize_body(messages, prompt, model or self.settings.model)
+        response = await self._send("POST", "/tokenize", body)
+        return parse_tokenize(_json(response, self.base_url))
 
     async def metrics_text(self) -> str:
         """The raw Prometheus text of ``/metrics``."""
-        return (await self._send("GET", "/metrics")).text
+        return str((await self._send("GET", "/metrics")).text)
 
     async def cache_config(self) -> CacheConfig:
         """Block size and hash algorithm of the engine's prefix cache."""
         return parse_cache_config(await self.metrics_text())
 
-    async def health(self) -> bool:
-        """True when ``/health`` answers 200 in time; never raises."""
+    async def health(self, *, path: str = "/health", timeout_s: float | None = None) -> bool:
+        """True when ``path`` answers 200 in time; never raises."""
         try:
-            await self._send("GET", "/health")
+            return bool((await self._send("GET", path, timeout_s=timeout_s)).status_code == 200)
         except EngineError:
             return False
-        return True
 
     async def reset_prefix_cache(self, *, attempts: int = 10, wait_s: float = 0.2) -> bool:
         """``POST /reset_prefix_cache`` (vLLM dev mode); see :meth:`EngineClient.reset_prefix_cache`."""
-        import asyncio
-
         for attempt in range(attempts):
             try:
                 response = await self._send("POST", "/reset_prefix_cache")

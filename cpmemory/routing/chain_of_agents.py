@@ -23,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from cpmemory.core.annotations import format_block
 from cpmemory.core.blocks import BlockLike, normalize_blocks
+from cpmemory.engines.openai_wire import chat_body, request_headers, response_text, usage_tokens
 from cpmemory.errors import InvalidInputError
 from cpmemory.routing.dispatch import Dispatcher
 from cpmemory.routing.router import job_affinity_key
@@ -111,27 +112,6 @@ def split_chunks(text: str, chunk_chars: int, max_chunks: int | None = None) -> 
     return chunks
 
 
-def usage_tokens(response: dict[str, Any]) -> tuple[int, int]:
-    """Return ``(prompt_tokens, cached_tokens)`` from an OpenAI-style response (0 when absent)."""
-    usage = response.get("usage")
-    if not isinstance(usage, dict):
-        return 0, 0
-    prompt = usage.get("prompt_tokens")
-    details = usage.get("prompt_tokens_details")
-    cached = details.get("cached_tokens") if isinstance(details, dict) else None
-    return (prompt if isinstance(prompt, int) else 0, cached if isinstance(cached, int) else 0)
-
-
-def completion_text(response: dict[str, Any]) -> str:
-    """Return the first choice's message content of an OpenAI-style response ("" when absent)."""
-    choices = response.get("choices")
-    if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
-        return ""
-    message = choices[0].get("message")
-    content = message.get("content") if isinstance(message, dict) else None
-    return content if isinstance(content, str) else ""
-
-
 class ChainOfAgents:
     """Runs Chain-of-Agents jobs through a ``Dispatcher`` (one replica per job)."""
 
@@ -203,18 +183,14 @@ class ChainOfAgents:
         request_id = _request_id(job_id, role, index)
         if self.config.affinity == "call":
             key = f"{key}|{request_id}"
-        payload = {
-            "model": self.config.model,
-            "messages": [{"role": "system", "content": system}, {"role": "user", "content": user}],
-            "max_tokens": max_tokens,
-            "temperature": self.config.temperature,
-            "request_id": request_id,
-        }
-        result = await self.dispatcher.complete(key, payload, {"X-Request-Id": request_id})
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": user}]
+        payload = chat_body(messages, model=self.config.model, request_id=request_id, stream=False,
+                            max_tokens=max_tokens, extra={"temperature": self.config.temperature})
+        result = await self.dispatcher.complete(key, payload, request_headers(request_id))
         prompt_tokens, cached_tokens = usage_tokens(result.response)
         return AgentCall(
             role, index, request_id, result.decision.index, result.decision.url, result.decision.reason,
-            prompt_tokens, cached_tokens, completion_text(result.response),
+            prompt_tokens, cached_tokens, response_text(result.response),
         )
 
 

@@ -295,6 +295,8 @@ def _install_routes(app: Any, service: ProxyService, resolve_tenant: _TenantReso
                                          media_type="text/event-stream", headers=headers,
                                          background=BackgroundTask(opened.release))
             outcome = await service.run_turn(request, tenant, turn, prepared, started)
+        except InvalidInputError as error:  # e.g. text that cannot be encoded; the turn was aborted
+            return error_response(400, "invalid_request_error", "invalid_input", str(error))
         except EngineError as error:
             return _engine_error(error)
         return JSONResponse(outcome.body)

@@ -35,6 +35,7 @@ class _Replica:
     url: str
     sync: Any
     subscriber: Any
+    client: Any  # the replica's AsyncEngineClient (on the hub's shared pool)
 
 
 @dataclass(slots=True)
@@ -69,15 +70,14 @@ class KVSyncHub:
         """
         import httpx
 
-        from cpmemory.engines.client import AsyncEngineClient
+        from cpmemory.engines.client import AsyncEngineClient, EngineSettings
         from cpmemory.engines.eviction_sync import EvictionSync
         from cpmemory.engines.kv_events import KVEventSubscriber
-
-        self._http = httpx.AsyncClient(timeout=30.0)
         from cpmemory.routing.prefix import TeeHandler
 
+        self._http = httpx.AsyncClient()
         for index, (url, endpoint) in enumerate(zip(self.engines, self.endpoints)):
-            client = AsyncEngineClient(url)
+            client = AsyncEngineClient(EngineSettings(base_url=url, timeout_s=30.0), http=self._http)
             try:
                 config = await client.cache_config()
                 sync = EvictionSync.for_engine(self.memory, _ConfigOnce(config))
@@ -90,29 +90,21 @@ class KVSyncHub:
                 logger.warning("no eviction sync for replica %d (%s): %s", index, url, error)
                 self.failures += 1
                 continue
-            finally:
-                await client.aclose()
-            self._replicas[index] = _Replica(url.rstrip("/"), sync, subscriber)
+            self._replicas[index] = _Replica(url.rstrip("/"), sync, subscriber, client)
 
     async def prompt_blocks(self, payload: Mapping[str, Any]) -> Any:
         """The prompt's blocks keyed by the engine's hashes (``/tokenize`` on a synced replica), or None on failure.
 
         Returns a ``PromptBlocks``; the hashes are those ``register`` would compute, so the caller passes them on.
         """
-        import httpx
-
-        from cpmemory.engines.client import parse_tokenize, tokenize_body
         from cpmemory.routing.prefix import engine_blocks
 
         if not self._replicas:
             return None
         state = next(iter(self._replicas.values()))
-        body = tokenize_body(payload.get("messages") or [], None, str(payload.get("model", "")))
         try:
-            response = await self._http.post(f"{state.url}/tokenize", json=body)
-            response.raise_for_status()
-            tokens = parse_tokenize(response.json())
-        except (CpMemoryError, httpx.HTTPError, ValueError) as error:
+            tokens = await state.client.tokenize(payload.get("messages") or [], model=str(payload.get("model", "")))
+        except CpMemoryError as error:
             self.failures += 1
             logger.debug("tokenize for routing failed: %s", error)
             return None
@@ -143,17 +135,10 @@ class KVSyncHub:
 
     async def _register(self, state: _Replica, request_id: str, payload: Mapping[str, Any], tenant: str) -> None:
         """Tokenize the prompt as the replica does (``/tokenize``, same model and messages) and register it."""
-        import httpx
-
-        from cpmemory.engines.client import parse_tokenize, tokenize_body
-
-        body = tokenize_body(payload.get("messages") or [], None, str(payload.get("model", "")))
         try:
-            response = await self._http.post(f"{state.url}/tokenize", json=body)
-            response.raise_for_status()
-            tokens = parse_tokenize(response.json())
+            tokens = await state.client.tokenize(payload.get("messages") or [], model=str(payload.get("model", "")))
             state.sync.register(request_id, tokens, tenant=tenant, cache_salt=payload.get("cache_salt"))
-        except (CpMemoryError, httpx.HTTPError, ValueError) as error:
+        except CpMemoryError as error:
             self.failures += 1
             logger.debug("registration of %s failed: %s", request_id, error)
 

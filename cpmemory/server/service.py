@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from cpmemory.core.blocks import Block, to_block
+from cpmemory.engines.openai_wire import EngineBody, engine_body, request_headers, response_text, usage_tokens
 from cpmemory.errors import EngineError, InvalidInputError, ReservationError, StoreUnavailableError
-from cpmemory.routing.chain_of_agents import completion_text, usage_tokens
 from cpmemory.routing.dispatch import NO_HINT, Dispatcher, DispatchResult, RouteHint, StreamDispatch
 from cpmemory.routing.prefix import text_blocks
 from cpmemory.routing.router import RouteDecision, conversation_affinity_key
@@ -60,6 +60,28 @@ class TurnInput:
     blocks: tuple[Block, ...]
     system_prompt: str | None
     history: tuple[dict[str, Any], ...] | None
+
+
+@dataclass(frozen=True, slots=True)
+class OpenedStream:
+    """An engine stream the proxy relays: the dispatch, and whether to strip the usage the client did not ask for."""
+
+    dispatch: StreamDispatch
+    strip_usage: bool
+
+    @property
+    def decision(self) -> RouteDecision:
+        """The replica serving the stream."""
+        return self.dispatch.decision
+
+    @property
+    def engine_seconds(self) -> float:
+        """Time spent waiting on engines to open the stream."""
+        return self.dispatch.engine_seconds
+
+    async def release(self) -> None:
+        """Close the stream and stop counting it in flight (idempotent)."""
+        await self.dispatch.release()
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,17 +169,15 @@ class ProxyService:
     def engine_payload(
         self, request: ChatCompletionRequest, messages: Sequence[Mapping[str, str]] | None, request_id: str,
         tenant: str,
-    ) -> dict[str, Any]:
-        """The body sent to the engine: the client's fields, our messages, request id and the tenant's salt."""
-        payload = request.model_dump(exclude_unset=True, exclude={"cpmemory"})
-        payload["model"] = request.model
-        if messages is not None:
-            payload["messages"] = [dict(message) for message in messages]
-        payload["request_id"] = request_id
-        payload["cache_salt"] = self.cache_salt(tenant)
-        if request.stream and messages is not None and "stream_options" not in payload:
-            payload["stream_options"] = {"include_usage": True}
-        return payload
+    ) -> EngineBody:
+        """The body sent to the engine: the client's fields, our messages, request id and the tenant's salt.
+
+        A stream always asks for usage (the metrics count cached tokens); ``strip_usage`` says whether the client
+        asked for it too (see :func:`cpmemory.engines.openai_wire.engine_body`).
+        """
+        client_body = request.model_dump(exclude_unset=True, exclude={"cpmemory"})
+        client_body["model"] = request.model
+        return engine_body(client_body, request_id=request_id, cache_salt=self.cache_salt(tenant), messages=messages)
 
     async def prepare(self, tenant: str, turn: TurnInput) -> Any:
         """Run the facade's prepare (InvalidInputError propagates: nothing was stored)."""
@@ -169,36 +189,39 @@ class ProxyService:
     async def pass_through(self, request: ChatCompletionRequest, tenant: str) -> DispatchResult:
         """Forward a plain request to the replica of its prefix-affinity key."""
         request_id = "cpm-" + uuid.uuid4().hex
-        payload = self.engine_payload(request, None, request_id, tenant)
+        payload = self.engine_payload(request, None, request_id, tenant).body
         hint = await self.route_hint(payload, sticky=False, remember=False)
-        result = await self.dispatcher.complete(prefix_key(tenant, request), payload, {"X-Request-Id": request_id},
+        result = await self.dispatcher.complete(prefix_key(tenant, request), payload, request_headers(request_id),
                                                 hint)
         self._count_engine(result.decision, result.failovers, result.response.get("usage"), hint)
         return result
 
-    async def open_pass_through_stream(self, request: ChatCompletionRequest, tenant: str) -> StreamDispatch:
+    async def open_pass_through_stream(self, request: ChatCompletionRequest, tenant: str) -> OpenedStream:
         """Open a plain streaming request on the replica of its prefix-affinity key."""
         request_id = "cpm-" + uuid.uuid4().hex
         payload = self.engine_payload(request, None, request_id, tenant)
-        hint = await self.route_hint(payload, sticky=False, remember=False)
-        return await self.dispatcher.open_stream(prefix_key(tenant, request), payload, {"X-Request-Id": request_id},
-                                                 hint)
+        hint = await self.route_hint(payload.body, sticky=False, remember=False)
+        opened = await self.dispatcher.open_stream(prefix_key(tenant, request), payload.body,
+                                                   request_headers(request_id), hint)
+        return OpenedStream(opened, payload.strip_usage)
 
     async def run_turn(
         self, request: ChatCompletionRequest, tenant: str, turn: TurnInput, prepared: Any, started: float
     ) -> TurnOutcome:
-        """Send a prepared turn, then commit (success) or abort (engine failure, re-raised)."""
+        """Send a prepared turn, then commit (success) or abort (any failure, re-raised: an engine error, or a
+        request that cannot be encoded, InvalidInputError)."""
         request_id = engine_request_id(prepared)
-        payload = self.engine_payload(request, prepared.messages, request_id, tenant)
+        payload = self.engine_payload(request, prepared.messages, request_id, tenant).body
         key = conversation_affinity_key(tenant, turn.conversation_id)
         try:
             hint = await self.route_hint(payload, has_history(turn, prepared))
-            result = await self.dispatcher.complete(key, payload, {"X-Request-Id": request_id}, hint)
-        except EngineError:
+            result = await self.dispatcher.complete(key, payload, request_headers(request_id), hint)
+        except BaseException as error:
             await self.abort(prepared)
-            self.metrics.requests.labels(replica="none", outcome="engine_error").inc()
+            if isinstance(error, EngineError):
+                self.metrics.requests.labels(replica="none", outcome="engine_error").inc()
             raise
-        committed = await self.commit(prepared, completion_text(result.response))
+        committed = await self.commit(prepared, response_text(result.response))
         if committed and self.kv_sync is not None:
             self._register(result.decision.index, request_id, payload, tenant, hint)
         self._count_engine(result.decision, result.failovers, result.response.get("usage"), hint)
@@ -208,17 +231,18 @@ class ProxyService:
         return TurnOutcome({**result.response, "cpmemory": info})
 
     async def open_turn_stream(self, request: ChatCompletionRequest, tenant: str, turn: TurnInput,
-                               prepared: Any) -> StreamDispatch:
-        """Open the engine stream of a prepared turn; abort the turn if no replica accepts it."""
+                               prepared: Any) -> OpenedStream:
+        """Open the engine stream of a prepared turn; abort the turn if it cannot be sent (re-raised)."""
         request_id = engine_request_id(prepared)
         payload = self.engine_payload(request, prepared.messages, request_id, tenant)
         key = conversation_affinity_key(tenant, turn.conversation_id)
         try:
-            hint = await self.route_hint(payload, has_history(turn, prepared))
-            return await self.dispatcher.open_stream(key, payload, {"X-Request-Id": request_id}, hint)
-        except EngineError:
+            hint = await self.route_hint(payload.body, has_history(turn, prepared))
+            opened = await self.dispatcher.open_stream(key, payload.body, request_headers(request_id), hint)
+        except BaseException:
             await self.abort(prepared)
             raise
+        return OpenedStream(opened, payload.strip_usage)
 
     def _register(self, replica: int, request_id: str, payload: Mapping[str, Any], tenant: str,
                   hint: RouteHint) -> None:
@@ -230,21 +254,26 @@ class ProxyService:
             self.kv_sync.register_later(target, request_id, payload, tenant)
 
     async def relay_stream(
-        self, opened: StreamDispatch, prepared: Any | None, overhead_s: float
+        self, opened: OpenedStream, prepared: Any | None, overhead_s: float
     ) -> AsyncIterator[bytes]:
-        """Yield the engine's bytes unchanged; at the end commit (clean end) or abort (anything else)."""
-        collector = SseCollector()
+        """Relay the engine's events (less the usage the client did not ask for); at the end commit choice 0's
+        answer (clean end) or abort (anything else)."""
+        collector = SseCollector(strip_usage=opened.strip_usage)
         try:
-            async for chunk in opened.stream.aiter_bytes():
-                collector.feed(chunk)
-                yield chunk
+            async for chunk in opened.dispatch.stream.aiter_bytes():
+                relayed = collector.feed(chunk)
+                if relayed:
+                    yield relayed
+            rest = collector.flush()
+            if rest:
+                yield rest
         except EngineError as error:
             collector.broken = True
             yield b'data: {"error": {"type": "engine_error", "code": "stream_broken", "message": "' + \
                 type(error).__name__.encode() + b'"}}\n\n'
         finally:
             await opened.release()
-            await self._finish_stream(opened, prepared, collector, overhead_s)
+            await self._finish_stream(opened.dispatch, prepared, collector, overhead_s)
 
     async def _finish_stream(
         self, opened: StreamDispatch, prepared: Any | None, collector: SseCollector, overhead_s: float

@@ -19,6 +19,7 @@ connection failures. The mock is thread-safe (one lock).
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 from collections import OrderedDict
@@ -37,6 +38,7 @@ from cpmemory.engines.kv_events import (
 from cpmemory.errors import MissingDependencyError
 
 FrameListener = Callable[[list[bytes]], None]
+Reply = Callable[[Mapping[str, Any]], str]
 _TOKEN_OFFSET = 3  # ids 0..2 are the special tokens, as in the tiny model's tokenizer
 
 
@@ -45,6 +47,15 @@ def render_chatml(messages: Sequence[Mapping[str, Any]], add_generation_prompt: 
     text = "".join(f"<|im_start|>{message['role']}\n{message.get('content') or ''}<|im_end|>\n"
                    for message in messages)
     return text + ("<|im_start|>assistant\n" if add_generation_prompt else "")
+
+
+def _reply_ok(_body: Mapping[str, Any]) -> str:
+    return "ok"
+
+
+def _pieces(text: str) -> list[str]:
+    """Stream deltas of a text: words with their following spaces (at least one piece)."""
+    return re.findall(r"\S+\s*|\s+", text) or [""]
 
 
 def mock_tokenize(text: str) -> list[int]:
@@ -56,7 +67,11 @@ class MockEngine:
     """A fake OpenAI-compatible engine with an LRU prefix cache and KV events. See the module docstring."""
 
     def __init__(self, *, block_size: int = 16, capacity_blocks: int = 256, model: str = "tiny",
-                 prefill_s_per_token: float = 0.0, listener: FrameListener | None = None) -> None:
+                 prefill_s_per_token: float = 0.0, listener: FrameListener | None = None,
+                 reply: Reply | None = None) -> None:
+        """An empty cache of ``capacity_blocks`` blocks of ``block_size`` tokens; ``reply`` makes choice 0's
+        answer from the request body (default ``"ok"``; choice ``i > 0`` answers it followed by ``" #i"``)."""
+        self.reply = reply or _reply_ok
         self.hasher = BlockHasher(block_size)
         self.capacity_blocks = capacity_blocks
         self.model = model
@@ -170,21 +185,21 @@ class MockEngine:
         self.requests.append({"request_id": request_id, "body": body, "cached_tokens": cached})
         if self.prefill_s_per_token:
             time.sleep((len(tokens) - cached) * self.prefill_s_per_token)
-        usage = {"prompt_tokens": len(tokens), "completion_tokens": 1, "total_tokens": len(tokens) + 1,
-                 "prompt_tokens_details": {"cached_tokens": cached}}
+        answer = self.reply(body)
+        texts = [answer if index == 0 else f"{answer} #{index}" for index in range(_choice_count(body))]
+        usage = {"prompt_tokens": len(tokens), "completion_tokens": sum(len(_pieces(text)) for text in texts),
+                 "total_tokens": 0, "prompt_tokens_details": {"cached_tokens": cached}}
+        usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
         response_id = f"chatcmpl-{request_id}"
         if not body.get("stream"):
             return httpx.Response(200, json={
                 "id": response_id, "object": "chat.completion", "model": self.model, "usage": usage,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"},
-                             "finish_reason": "length"}]})
-        chunks = [{"id": response_id, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]},
-                  {"id": response_id, "choices": [{"index": 0, "delta": {"content": "ok"},
-                                                   "finish_reason": "length"}]}]
-        if (body.get("stream_options") or {}).get("include_usage"):
-            chunks.append({"id": response_id, "choices": [], "usage": usage})
-        text = "".join(f"data: {json.dumps(chunk)}\n\n" for chunk in chunks) + "data: [DONE]\n\n"
-        return httpx.Response(200, text=text, headers={"content-type": "text/event-stream"})
+                "choices": [{"index": index, "message": {"role": "assistant", "content": text},
+                             "finish_reason": "length"} for index, text in enumerate(texts)]})
+        include_usage = (body.get("stream_options") or {}).get("include_usage") is True
+        text = "".join(f"data: {json.dumps(chunk)}\n\n" for chunk in _stream_chunks(response_id, texts, usage,
+                                                                                       include_usage))
+        return httpx.Response(200, text=text + "data: [DONE]\n\n", headers={"content-type": "text/event-stream"})
 
     # -- cache ----------------------------------------------------------------------------------------------
     def _run_prefill(self, tokens: Sequence[int], cache_salt: str | None) -> int:
@@ -233,3 +248,27 @@ class MockEngine:
         self.batches.append(batch)
         if self.listener is not None:
             self.listener(encode_frames(batch))
+
+
+def _choice_count(body: Mapping[str, Any]) -> int:
+    count = body.get("n", 1)
+    return count if isinstance(count, int) and 1 <= count <= 16 else 1
+
+
+def _stream_chunks(response_id: str, texts: Sequence[str], usage: Mapping[str, Any],
+                   include_usage: bool) -> list[dict[str, Any]]:
+    """The chunks of a streamed answer, as vLLM sends them: a role chunk per choice, then the deltas of every
+    choice interleaved (each chunk names its choice ``index``), a finish reason per choice, the usage chunk."""
+    chunks: list[dict[str, Any]] = [
+        {"id": response_id, "choices": [{"index": index, "delta": {"role": "assistant", "content": ""}}]}
+        for index in range(len(texts))]
+    pieces = [_pieces(text) for text in texts]
+    for position in range(max(len(run) for run in pieces)):
+        for index, run in enumerate(pieces):
+            if position < len(run):
+                last = position == len(run) - 1
+                chunks.append({"id": response_id, "choices": [{"index": index, "delta": {"content": run[position]},
+                                                               "finish_reason": "length" if last else None}]})
+    if include_usage:
+        chunks.append({"id": response_id, "choices": [], "usage": dict(usage)})
+    return chunks

@@ -16,8 +16,8 @@ from cpmemory.engines.client import (
     parse_metrics,
     parse_tokenize,
 )
-from cpmemory.testing.mock_engine import MockEngine, mock_tokenize, render_chatml
 from cpmemory.errors import EngineError
+from cpmemory.testing.mock_engine import MockEngine, mock_tokenize, render_chatml
 
 LONG = "The quick brown fox jumps over the lazy dog. " * 8
 

@@ -8,9 +8,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from cpmemory.bench.simulator import PrefixCacheSimulator
 from cpmemory.core.planner import plan_batch, trie_savings
 from cpmemory.core.planner_tree import first_seen_ranks
-from cpmemory.bench.simulator import PrefixCacheSimulator
 from cpmemory.errors import InvalidInputError
 
 contexts_strategy = st.lists(

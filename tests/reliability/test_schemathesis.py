@@ -2,26 +2,15 @@
 no 5xx, every error the proxy produces has the typed body, and the mock engines never see a rejected request."""
 from __future__ import annotations
 
-import httpx
 import schemathesis
 from hypothesis import HealthCheck, settings
 
-from cpmemory.testing.mock_engine import MockEngine
-from cpmemory.routing.transport import HttpxChatTransport
 from cpmemory.server.app import ServerConfig, create_app
+from cpmemory.testing.fleet import MockFleet
 
-ENGINES = {"engine-0": MockEngine(block_size=16, capacity_blocks=512),
-           "engine-1": MockEngine(block_size=16, capacity_blocks=512)}
-
-
-class _Fleet(httpx.AsyncBaseTransport):
-    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
-        await request.aread()
-        return ENGINES[request.url.host].handle(request)
-
-
-APP = create_app(ServerConfig(engines=[f"http://{name}" for name in ENGINES]),
-                 transport=HttpxChatTransport(httpx.AsyncClient(transport=_Fleet())))
+FLEET = MockFleet(2, block_size=16, capacity_blocks=512)
+ENGINES = FLEET.engines
+APP = create_app(ServerConfig(engines=FLEET.urls), transport=FLEET.chat_transport())
 schema = schemathesis.openapi.from_asgi("/openapi.json", APP)
 schema.config.generation.update(modes=[schemathesis.GenerationMode.POSITIVE, schemathesis.GenerationMode.NEGATIVE])
 

@@ -10,26 +10,18 @@ import time
 import httpx
 import psutil
 
-from cpmemory.testing.mock_engine import MockEngine
 from cpmemory.facade import AsyncCpMemory
-from cpmemory.routing.transport import HttpxChatTransport
 from cpmemory.server.app import ServerConfig, create_app
 from cpmemory.session.config import CpMemoryConfig
 from cpmemory.stores.memory import AsyncInMemorySessionStore
+from cpmemory.testing.fleet import MockFleet
 
 WARM_UP_S = 5.0
 SOAK_S = 16.0
 LEAF_CAP = 300
 RSS_GROWTH_BOUND_MB = 64.0  # generous: the measured growth is reported, and is far below this
 
-ENGINES = {"engine-0": MockEngine(block_size=64, capacity_blocks=2048),
-           "engine-1": MockEngine(block_size=64, capacity_blocks=2048)}
-
-
-class _Fleet(httpx.AsyncBaseTransport):
-    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
-        await request.aread()
-        return ENGINES[request.url.host].handle(request)
+FLEET = MockFleet(2, block_size=64, capacity_blocks=2048)
 
 
 async def _conversation(client: httpx.AsyncClient, number: int) -> None:
@@ -64,8 +56,8 @@ async def test_soak_rss_is_flat_after_warm_up() -> None:
     store = AsyncInMemorySessionStore(ttl_s=1.0)
     memory = AsyncCpMemory(store=store, config=CpMemoryConfig(max_leaves_per_tenant=LEAF_CAP,
                                                               max_pending_turns=500))
-    transport = HttpxChatTransport(httpx.AsyncClient(transport=_Fleet()))
-    app = create_app(ServerConfig(engines=[f"http://{name}" for name in ENGINES]), memory=memory,
+    transport = FLEET.chat_transport()
+    app = create_app(ServerConfig(engines=FLEET.urls), memory=memory,
                      transport=transport)
     client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://proxy")
     started, number, samples, warm = time.monotonic(), 0, [], None
@@ -73,7 +65,8 @@ async def test_soak_rss_is_flat_after_warm_up() -> None:
         while time.monotonic() - started < SOAK_S:
             await asyncio.gather(*(_conversation(client, number + i) for i in range(20)))
             number += 20
-            for engine in ENGINES.values():  # the mock's own request log is a test artefact, not proxy state
+            FLEET.calls.clear()  # the fleet's and the mocks' request logs are test artefacts, not proxy state
+            for engine in FLEET.engines.values():
                 engine.requests.clear()
                 engine.batches.clear()
             if warm is None and time.monotonic() - started >= WARM_UP_S:

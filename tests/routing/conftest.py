@@ -1,59 +1,44 @@
-"""A fake engine fleet behind the ChatTransport seam: prefix-cache accounting per replica, switchable outages."""
+"""Fixture: a fleet of three mock engine replicas (vLLM-like prefix caches) behind the router's transport seam."""
 from __future__ import annotations
 
-import json
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Iterator
 
 import pytest
 
-from cpmemory.errors import EngineStatusError, EngineUnreachableError
+from cpmemory.testing.fleet import MockFleet
+
+URLS = ["http://r0", "http://r1", "http://r2"]
 
 
-class FakeFleet:
-    """Replicas keyed by URL. Each remembers the prompts it served and reports cached characters / 4 as tokens."""
+class FleetTransport:
+    """The fleet's ``ChatTransport`` plus the fleet's controls (``down``: URLs refusing connections)."""
 
     def __init__(self) -> None:
-        self.down: set[str] = set()
-        self.reject: set[str] = set()
-        self.prompts: dict[str, list[str]] = {}
-        self.calls: list[tuple[str, dict[str, Any]]] = []
+        self.fleet = MockFleet(URLS, block_size=16, capacity_blocks=4096,
+                               reply=lambda body: f"answer {len(self.fleet.calls)}")
+        self.transport = self.fleet.chat_transport()
+        self.complete = self.transport.complete
+        self.open_stream = self.transport.open_stream
 
-    def _cached(self, url: str, prompt: str) -> int:
-        best = 0
-        for earlier in self.prompts.get(url, []):
-            common = 0
-            for a, b in zip(earlier, prompt):
-                if a != b:
-                    break
-                common += 1
-            best = max(best, common)
-        return best // 4
+    @property
+    def calls(self) -> list:
+        return self.fleet.calls
 
-    async def complete(self, base_url: str, payload: Mapping[str, Any], headers: Mapping[str, str],
-                       timeout_s: float) -> dict[str, Any]:
-        if base_url in self.down:
-            raise EngineUnreachableError(f"{base_url} is down")
-        if base_url in self.reject:
-            raise EngineStatusError(400, b'{"error": "bad"}')
-        prompt = json.dumps(payload["messages"])
-        cached = self._cached(base_url, prompt)
-        self.prompts.setdefault(base_url, []).append(prompt)
-        self.calls.append((base_url, dict(payload)))
-        return {"choices": [{"message": {"role": "assistant", "content": f"answer {len(self.calls)}"}}],
-                "usage": {"prompt_tokens": len(prompt) // 4, "completion_tokens": 2,
-                          "prompt_tokens_details": {"cached_tokens": cached}}}
+    def set_down(self, urls, down: bool = True) -> None:
+        for url in urls:
+            self.fleet.set_down(url, down)
 
-    async def open_stream(self, *args: Any, **kwargs: Any) -> Any:
-        raise NotImplementedError
+    def reject_next(self, status: int = 400) -> None:
+        for url in URLS:
+            self.fleet.engine(url).fail_next(1, status=status)
 
     async def is_healthy(self, base_url: str) -> bool:
-        return base_url not in self.down
+        return await self.transport.is_healthy(base_url)
 
     async def aclose(self) -> None:
-        return None
+        await self.transport.aclose()
 
 
 @pytest.fixture
-def fleet() -> FakeFleet:
-    return FakeFleet()
+def fleet() -> Iterator[FleetTransport]:
+    yield FleetTransport()

@@ -7,29 +7,21 @@ from __future__ import annotations
 
 import asyncio
 
-import httpx
-
-from cpmemory.testing.mock_engine import MockEngine
 from cpmemory.routing.chain_of_agents import ChainOfAgents, ChainOfAgentsConfig
 from cpmemory.routing.dispatch import Dispatcher
 from cpmemory.routing.router import Router
-from cpmemory.routing.transport import HttpxChatTransport
+from cpmemory.testing.fleet import MockFleet
 
 REPLICAS = 4
 JOBS = 16
 
 
 def _run(affinity: str) -> tuple[int, int, float]:
-    engines = {f"r{i}": MockEngine(block_size=16, capacity_blocks=1200) for i in range(REPLICAS)}
-
-    class Fleet(httpx.AsyncBaseTransport):
-        async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
-            await request.aread()
-            return engines[request.url.host].handle(request)
+    fleet = MockFleet([f"http://r{i}" for i in range(REPLICAS)], block_size=16, capacity_blocks=1200)
 
     async def main() -> tuple[int, int, float]:
-        transport = HttpxChatTransport(httpx.AsyncClient(transport=Fleet()))
-        dispatcher = Dispatcher(Router([f"http://{name}" for name in engines]), transport)
+        transport = fleet.chat_transport()
+        dispatcher = Dispatcher(Router(fleet.urls), transport)
         coa = ChainOfAgents(dispatcher, ChainOfAgentsConfig(chunk_chars=600, affinity=affinity))
         limit = asyncio.Semaphore(8)
 

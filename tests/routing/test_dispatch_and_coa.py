@@ -1,4 +1,4 @@
-"""Dispatcher failover and the Chain-of-Agents helper against a fake engine fleet (prefix-cache accounting)."""
+"""Dispatcher failover and the Chain-of-Agents helper against the mock engine fleet (vLLM-like prefix caches)."""
 from __future__ import annotations
 
 import asyncio
@@ -22,13 +22,13 @@ def test_failover_marks_down_and_counts_nothing_in_flight(fleet) -> None:
     dispatcher = Dispatcher(router, fleet, on_failover=failed.append)
     key = "conversation|k"
     first, second, _ = router.ranking(key)
-    fleet.down.add(first)
+    fleet.set_down([first])
     result = asyncio.run(dispatcher.complete(key, PAYLOAD))
     assert result.decision.url == second and result.failovers == 1
     assert [d.url for d in failed] == [first]
     assert [s.in_flight for s in router.status()] == [0, 0, 0]
     assert not router.status()[URLS.index(first)].healthy
-    fleet.down.clear()
+    fleet.set_down(URLS, False)
     asyncio.run(router.probe(fleet.is_healthy))
     assert asyncio.run(dispatcher.complete(key, PAYLOAD)).decision.url == first
 
@@ -36,16 +36,16 @@ def test_failover_marks_down_and_counts_nothing_in_flight(fleet) -> None:
 def test_every_replica_down_raises_and_client_errors_are_not_retried(fleet) -> None:
     router = Router(URLS)
     dispatcher = Dispatcher(router, fleet)
-    fleet.down.update(URLS)
+    fleet.set_down(URLS)
     with pytest.raises(NoHealthyReplicaError):
         asyncio.run(dispatcher.complete("k", PAYLOAD))
     assert router.healthy_count() == 0
     router2 = Router(URLS)
-    fleet.down.clear()
-    fleet.reject.update(URLS)
+    fleet.set_down(URLS, False)
+    fleet.reject_next(400)
     with pytest.raises(EngineStatusError):
         asyncio.run(Dispatcher(router2, fleet).complete("k", PAYLOAD))
-    assert router2.healthy_count() == 3 and len(fleet.calls) == 0
+    assert router2.healthy_count() == 3 and len(fleet.calls) == 1  # one attempt: a 4xx is not retried
 
 
 @settings(max_examples=200, deadline=None)
@@ -96,7 +96,7 @@ def test_chain_of_agents_fails_over_mid_job(fleet) -> None:
     async def flaky(base_url, payload, headers, timeout_s):
         calls.append(base_url)
         if len(calls) == 2:
-            fleet.down.add(base_url)
+            fleet.set_down([base_url])
         return await original(base_url, payload, headers, timeout_s)
 
     fleet.complete = flaky

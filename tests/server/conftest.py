@@ -7,32 +7,21 @@ from typing import Any
 import httpx
 import pytest
 
-from cpmemory.testing.mock_engine import MockEngine
-from cpmemory.routing.transport import HttpxChatTransport
 from cpmemory.server.app import ServerConfig, create_app
+from cpmemory.testing.fleet import MockFleet
+from cpmemory.testing.mock_engine import MockEngine
 
 ENGINE_URLS = ["http://engine-0", "http://engine-1"]
 
 
-class FleetTransport(httpx.AsyncBaseTransport):
-    """Sends each request to the mock engine named by its host."""
-
-    def __init__(self, engines: dict[str, MockEngine]) -> None:
-        self.engines = engines
-
-    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
-        await request.aread()
-        return self.engines[request.url.host].handle(request)
-
-
 class Proxy:
-    """A proxy app with its engines and an ASGI client."""
+    """A proxy app over a mock fleet, with an ASGI client."""
 
-    def __init__(self, engines: list[MockEngine], memory: Any = None, **config: Any) -> None:
-        self.engines = engines
-        fleet = FleetTransport({httpx.URL(url).host: engine for url, engine in zip(ENGINE_URLS, engines)})
-        self.transport = HttpxChatTransport(httpx.AsyncClient(transport=fleet))
-        self.config = ServerConfig(engines=ENGINE_URLS[: len(engines)], **config)
+    def __init__(self, engine_count: int = 2, memory: Any = None, **config: Any) -> None:
+        self.fleet = MockFleet(engine_count, block_size=16, capacity_blocks=4096)
+        self.engines: list[MockEngine] = [self.fleet.engine(url) for url in self.fleet.urls]
+        self.transport = self.fleet.chat_transport()
+        self.config = ServerConfig(engines=self.fleet.urls, **config)
         self.app = create_app(self.config, memory=memory, transport=self.transport)
         self.client = httpx.AsyncClient(transport=httpx.ASGITransport(app=self.app), base_url="http://proxy")
 
@@ -50,7 +39,7 @@ class Proxy:
 
 @pytest.fixture
 async def proxy() -> AsyncIterator[Proxy]:
-    made = Proxy([MockEngine(block_size=16, capacity_blocks=4096) for _ in ENGINE_URLS])
+    made = Proxy(len(ENGINE_URLS))
     yield made
     await made.aclose()
 
@@ -60,8 +49,7 @@ async def make_proxy():
     made: list[Proxy] = []
 
     def factory(engine_count: int = 2, memory: Any = None, **config: Any) -> Proxy:
-        proxy = Proxy([MockEngine(block_size=16, capacity_blocks=4096) for _ in range(engine_count)], memory,
-                      **config)
+        proxy = Proxy(engine_count, memory, **config)
         made.append(proxy)
         return proxy
 

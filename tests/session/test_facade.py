@@ -15,8 +15,8 @@ from cpmemory.errors import (
     StoreUnavailableError,
     UnknownReservationError,
 )
-from cpmemory.types import ConversationKey
 from cpmemory.stores.memory import InMemorySessionStore
+from cpmemory.types import ConversationKey
 
 DOCS = {
     i: f"Report {i}: the committee approved budget line {i * 7} after a long debate about item {i}."

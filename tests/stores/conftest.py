@@ -15,10 +15,10 @@ from typing import Any
 
 import pytest
 
-from cpmemory.testing.local_redis import LocalRedisCluster, redis_binaries_available
 from cpmemory.errors import StoreUnavailableError
 from cpmemory.stores.base import DEFAULT_MAX_TRANSCRIPT_TURNS
 from cpmemory.stores.redis_store import AsyncRedisSessionStore, RedisSessionStore, RedisStoreConfig
+from cpmemory.testing.local_redis import LocalRedisCluster, redis_binaries_available
 
 RUN_PREFIX = f"cpmtest-{uuid.uuid4().hex[:10]}"
 

@@ -12,11 +12,11 @@ import logging
 
 import pytest
 
-from cpmemory.testing.local_redis import LocalRedisServer, redis_binaries_available
 from cpmemory.core.invariants import check_no_loss
 from cpmemory.errors import StoreUnavailableError
 from cpmemory.facade import AsyncCpMemory, CpMemory
 from cpmemory.stores.redis_store import AsyncRedisSessionStore, RedisSessionStore, RedisStoreConfig
+from cpmemory.testing.local_redis import LocalRedisServer, redis_binaries_available
 
 pytestmark = pytest.mark.skipif(not redis_binaries_available(), reason="redis-server / redis-cli not on PATH")
 

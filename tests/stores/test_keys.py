@@ -6,8 +6,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cpmemory.errors import InvalidIdentifierError
-from cpmemory.types import ConversationKey
 from cpmemory.stores.keys import FIELDS, KeyScheme, decode_text, encode_text
+from cpmemory.types import ConversationKey
 
 identifiers = st.text(min_size=1, max_size=1024)
 

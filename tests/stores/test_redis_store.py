@@ -8,7 +8,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cpmemory.testing.local_redis import spare_port
 from cpmemory.bench.store_bench import RoundTripCounter
 from cpmemory.core.blocks import content_hash, label_for_hash
 from cpmemory.errors import (
@@ -17,9 +16,10 @@ from cpmemory.errors import (
     ReservationError,
     StoreUnavailableError,
 )
-from cpmemory.types import ConversationKey, ReserveRequest, SeenBlock, TurnRecord
 from cpmemory.stores.memory import InMemorySessionStore
 from cpmemory.stores.redis_store import AsyncRedisSessionStore, RedisSessionStore, RedisStoreConfig
+from cpmemory.testing.local_redis import spare_port
+from cpmemory.types import ConversationKey, ReserveRequest, SeenBlock, TurnRecord
 
 redis = pytest.importorskip("redis")
 fakeredis = pytest.importorskip("fakeredis")
