@@ -211,16 +211,7 @@ class _FacadeCore:
         self.counters.add(aborts=int(released))
 
     # -- offline mode and index maintenance -----------------------------------------------------------------------
-    def plan_batch(self, requests: Sequence[Iterable[BlockLike]], *, tenant: str = "default") -> BatchPlan:
-        """Reorder and schedule a batch of requests and insert them in the tenant's index (mutates the index).
-
-        Args:
-            requests: each request's blocks, best-ranked first.
-            tenant: the tenant whose index receives the requests.
-
-        Returns:
-            The execution order, each request's reordered block ids and index request ids.
-        """
+    def _plan_batch(self, requests: Sequence[Iterable[BlockLike]], tenant: str) -> BatchPlan:
         if isinstance(requests, (str, bytes, Mapping)) or not isinstance(requests, Iterable):
             raise InvalidInputError("requests must be a list of block lists")
         ConversationKey(tenant, "batch")  # validates the tenant id (InvalidIdentifierError)
@@ -284,8 +275,7 @@ class _FacadeCore:
         self.counters.add(index_evictions=len(placement.evicted))
         return request_id
 
-    def evict(self, request_ids: Iterable[str], *, tenant: str = "default") -> int:
-        """Remove the leaves of ``request_ids`` from the tenant's index (engine eviction sync). Returns how many."""
+    def _evict(self, request_ids: Iterable[str], tenant: str) -> int:
         if isinstance(request_ids, str):
             request_ids = [request_ids]
         if isinstance(request_ids, (bytes, Mapping)) or not isinstance(request_ids, Iterable):
@@ -297,9 +287,13 @@ class _FacadeCore:
         self.counters.add(index_evictions=removed)
         return removed
 
-    def reset_index(self, tenant: str | None = None) -> None:
-        """Drop one tenant's index (or all of them): the engine's cache was flushed."""
+    def _reset_index(self, tenant: str | None) -> None:
         self._indexes.reset(tenant)
+
+    def index_evictor(self) -> IndexEvictor:
+        """A synchronous view of the index maintenance (``evict``, ``reset_index``), safe to call from another
+        thread: what :class:`cpmemory.engines.eviction_sync.EvictionSync` drives from its subscriber thread."""
+        return IndexEvictor(self)
 
     def check_index(self, tenant: str = "default") -> None:
         """Check the tenant's index invariants (raises IndexIntegrityError on corruption; for tests and tools)."""
@@ -308,6 +302,24 @@ class _FacadeCore:
     def index_size(self, tenant: str = "default") -> int:
         """Number of requests in the tenant's index."""
         return self._indexes.size(tenant)
+
+
+class IndexEvictor:
+    """Synchronous index maintenance of a facade (sync or async): evictions and resets, no store IO."""
+
+    __slots__ = ("_core",)
+
+    def __init__(self, core: _FacadeCore) -> None:
+        """Wrap a facade."""
+        self._core = core
+
+    def evict(self, request_ids: Iterable[str], *, tenant: str = "default") -> int:
+        """Remove the leaves of ``request_ids`` from the tenant's index. Returns how many were removed."""
+        return self._core._evict(request_ids, tenant)
+
+    def reset_index(self, tenant: str | None = None) -> None:
+        """Drop one tenant's index (or all of them)."""
+        self._core._reset_index(tenant)
 
 
 class _NoIndex(TenantIndexes):
@@ -428,6 +440,26 @@ class CpMemory(_FacadeCore):
         self._after_abort(turn, released, False)
         return released
 
+    def plan_batch(self, requests: Sequence[Iterable[BlockLike]], *, tenant: str = "default") -> BatchPlan:
+        """Reorder and schedule a batch of requests and insert them in the tenant's index (mutates the index).
+
+        Args:
+            requests: each request's blocks, best-ranked first.
+            tenant: the tenant whose index receives the requests.
+
+        Returns:
+            The execution order, each request's reordered block ids and index request ids.
+        """
+        return self._plan_batch(requests, tenant)
+
+    def evict(self, request_ids: Iterable[str], *, tenant: str = "default") -> int:
+        """Remove the leaves of ``request_ids`` from the tenant's index (engine eviction sync). Returns how many."""
+        return self._evict(request_ids, tenant)
+
+    def reset_index(self, tenant: str | None = None) -> None:
+        """Drop one tenant's index (or all of them): the engine's cache was flushed."""
+        self._reset_index(tenant)
+
     def state(self, conversation_id: str, *, tenant: str = "default") -> ConversationState:
         """Return the stored state of one conversation (for inspection and tools; not on the hot path)."""
         return self.store.load(ConversationKey(tenant, conversation_id))
@@ -523,6 +555,18 @@ class AsyncCpMemory(_FacadeCore):
             return released
         self._after_abort(turn, released, False)
         return released
+
+    async def plan_batch(self, requests: Sequence[Iterable[BlockLike]], *, tenant: str = "default") -> BatchPlan:
+        """See :meth:`CpMemory.plan_batch` (CPU-bound: runs in the event loop's thread)."""
+        return self._plan_batch(requests, tenant)
+
+    async def evict(self, request_ids: Iterable[str], *, tenant: str = "default") -> int:
+        """See :meth:`CpMemory.evict` (no store IO)."""
+        return self._evict(request_ids, tenant)
+
+    async def reset_index(self, tenant: str | None = None) -> None:
+        """See :meth:`CpMemory.reset_index`."""
+        self._reset_index(tenant)
 
     async def state(self, conversation_id: str, *, tenant: str = "default") -> ConversationState:
         """See :meth:`CpMemory.state`."""

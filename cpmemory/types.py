@@ -7,9 +7,9 @@
 """
 from __future__ import annotations
 
-from collections.abc import Hashable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Literal, get_args
+from typing import Any, Literal, get_args
 
 from cpmemory.errors import InvalidIdentifierError
 
@@ -39,7 +39,7 @@ class BatchPlan:
     """
 
     order: list[int]
-    contexts: list[list[Hashable]]
+    contexts: list[list[Any]]
     request_ids: list[str] = field(default_factory=list)
 
 

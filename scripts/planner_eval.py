@@ -20,11 +20,11 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from cpmemory.bench.loaders import load_workload
+from cpmemory.bench.simulator import PrefixCacheSimulator
 from cpmemory.bench.tokenizer import tokenize_cached
 from cpmemory.bench.trace import Trace
 from cpmemory.core.blocks import content_hash, label_for_hash
 from cpmemory.core.planner import plan_batch
-from cpmemory.bench.simulator import PrefixCacheSimulator
 
 SYSTEM = (
     "You are a helpful assistant. Answer the question using the documents below. Cite documents by their "

@@ -12,7 +12,7 @@ Performance notes (the search target is ~0.1 ms with 10,000 contexts indexed):
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterator
+from collections.abc import Hashable, Iterator, Sequence
 
 
 class IndexNode:
@@ -160,7 +160,7 @@ def _unindex(parent: IndexNode, child: IndexNode) -> None:
 
 def aligned(
     prefix: tuple[Hashable, ...],
-    keys: list[Hashable] | tuple[Hashable, ...],
+    keys: Sequence[Hashable],
     prefix_set: frozenset[Hashable] | set[Hashable] | None = None,
 ) -> tuple[Hashable, ...]:
     """Return ``prefix`` followed by the keys not in it, in their given order. O(len)."""

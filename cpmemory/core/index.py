@@ -502,7 +502,7 @@ def _trail_to(node: IndexNode) -> list[IndexNode]:
     """The nodes from the root down to ``node``, root first. O(height)."""
     trail = [node]
     while trail[-1].parent is not None:
-        trail.append(trail[-1].parent)  # type: ignore[arg-type]
+        trail.append(trail[-1].parent)
     return trail[::-1]
 
 

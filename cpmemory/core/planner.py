@@ -40,7 +40,7 @@ blocks per group of connected requests: ~10 s for 2,000 x 15 with ``ratchet_step
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, defaultdict
 from collections.abc import Hashable, Mapping, Sequence
 from itertools import pairwise
 
@@ -88,7 +88,7 @@ def _plan_units(
     """Plan independent requests: build both tries, keep the one that saves more, improve it by local search;
     return (order, orders)."""
     ranks = first_seen_ranks(contexts)
-    popularity: Counter = Counter()
+    popularity: defaultdict[Hashable, float] = defaultdict(float)
     rank_sum: Counter = Counter()
     for context in contexts:
         for position, block in enumerate(dict.fromkeys(context)):
@@ -186,7 +186,7 @@ def plan_batch(
     heads = [members[0] for members in turns.values()]
     unit_order, unit_orders = _plan_units([contexts[head] for head in heads], weights, ratchet_steps)
     planned = [list(context) for context in contexts]
-    order: list[int] = []
+    order = []
     for unit in unit_order:
         planned[heads[unit]] = unit_orders[unit]
         order.extend(turns[sessions[heads[unit]]])

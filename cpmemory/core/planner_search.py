@@ -27,7 +27,6 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Hashable, Mapping, Sequence
-from itertools import pairwise
 
 import numpy as np
 from scipy.sparse import csr_matrix
@@ -290,7 +289,7 @@ def dendrogram_from_orders(orders: Sequence[Context], members: np.ndarray, weigh
     keyed = [tuple(ranks.setdefault(block, len(ranks)) for block in order) for order in orders]
     schedule = sorted(range(len(orders)), key=lambda index: (keyed[index], index))
     stack: list[tuple[int, int]] = []  # (node, common prefix length with the next leaf), increasing lengths
-    for previous, current in pairwise([*schedule, None]):
+    for previous, current in zip(schedule, [*schedule[1:], None]):
         if current is None:
             shared = -1
         else:
@@ -330,7 +329,7 @@ def orders_from_dendrogram(
             orders[node] = prefix + remaining_blocks(contexts[node], prefix)
             continue
         placed = set(prefix)
-        added = [blocks[i] for i in np.flatnonzero(tree.core[node]) if blocks[i] not in placed]
+        added = [blocks[int(i)] for i in np.flatnonzero(tree.core[node]) if blocks[int(i)] not in placed]
         added.sort(key=lambda block: -priority.get(block, 0.0))
         stack.append((tree.right[node], prefix + added))
         stack.append((tree.left[node], prefix + added))

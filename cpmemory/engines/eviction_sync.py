@@ -122,7 +122,7 @@ class EvictionSync:
         removals to requests as long as the sync saw the blocks being stored.
         """
         config = engine.cache_config()
-        algorithm = config.hash_algorithm if config.hash_algorithm in SUPPORTED_ALGORITHMS else "sha256"
+        algorithm: Any = config.hash_algorithm if config.hash_algorithm in SUPPORTED_ALGORITHMS else "sha256"
         if algorithm != config.hash_algorithm:
             logger.warning("engine hashes blocks with %s; matching through BlockStored token ids",
                            config.hash_algorithm)

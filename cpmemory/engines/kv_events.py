@@ -30,8 +30,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from typing_extensions import Self
-
 from cpmemory.engines.block_hashes import normalize_event_hash
 from cpmemory.errors import InvalidInputError, KVEventError, MissingDependencyError
 
@@ -342,7 +340,7 @@ class KVEventSubscriber:
             self._thread.join(timeout_s)
             self._thread = None
 
-    def __enter__(self) -> Self:
+    def __enter__(self) -> KVEventSubscriber:
         return self.start()
 
     def __exit__(self, *exc_info: object) -> None:
@@ -351,7 +349,7 @@ class KVEventSubscriber:
     def _run(self) -> None:
         import zmq
 
-        context = zmq.Context.instance()
+        context: Any = zmq.Context.instance()
         socket = context.socket(zmq.SUB)
         try:
             socket.setsockopt(zmq.LINGER, 0)

@@ -256,8 +256,8 @@ def _relay_engine_client_error(error: EngineStatusError) -> Any:
         body = None
     if isinstance(body, dict):
         return JSONResponse(body, status_code=error.status_code)
-    return error_response(error.status_code, "engine_error", "engine_rejected", error.body[:500].decode(
-        "utf-8", "replace"))
+    text = error.body if isinstance(error.body, str) else error.body.decode("utf-8", "replace")
+    return error_response(error.status_code, "engine_error", "engine_rejected", text[:500])
 
 
 def _install_routes(app: Any, service: ProxyService, resolve_tenant: _TenantResolver) -> None:
@@ -318,9 +318,7 @@ def _install_operations(app: Any, service: ProxyService, resolve_tenant: _Tenant
         tenant = resolve_tenant(authorization)
         if tenant is None:
             return _unauthorized()
-        removed = service.memory.evict(list(report.request_ids), tenant=tenant)
-        if asyncio.iscoroutine(removed):  # AsyncCpMemory.evict is synchronous today; accept either
-            removed = await removed
+        removed = await service.memory.evict(list(report.request_ids), tenant=tenant)
         service.metrics.evictions.inc(removed)
         if service.kv_sync is not None:
             service.kv_sync.forget(report.request_ids)

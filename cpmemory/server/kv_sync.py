@@ -80,7 +80,7 @@ class KVSyncHub:
             client = AsyncEngineClient(EngineSettings(base_url=url, timeout_s=30.0), http=self._http)
             try:
                 config = await client.cache_config()
-                sync = EvictionSync.for_engine(self.memory, _ConfigOnce(config))
+                sync = EvictionSync.for_engine(self.memory.index_evictor(), _ConfigOnce(config))
                 handler: Any = sync
                 if self.view is not None:
                     self.view.set_capacity(index, config.num_blocks)

@@ -25,6 +25,7 @@ from typing import Any, Protocol
 from cpmemory.core.blocks import Block, to_block
 from cpmemory.engines.openai_wire import EngineBody, engine_body, request_headers, response_text, usage_tokens
 from cpmemory.errors import EngineError, InvalidInputError, ReservationError, StoreUnavailableError
+from cpmemory.facade import IndexEvictor
 from cpmemory.routing.dispatch import NO_HINT, Dispatcher, DispatchResult, RouteHint, StreamDispatch
 from cpmemory.routing.prefix import text_blocks
 from cpmemory.routing.router import RouteDecision, conversation_affinity_key
@@ -32,7 +33,7 @@ from cpmemory.server.metrics import ProxyMetrics
 from cpmemory.server.schemas import ChatCompletionRequest, ChatMessage
 from cpmemory.server.sse import SseCollector
 from cpmemory.session.config import CpMemoryConfig
-from cpmemory.session.turns import turn_counts
+from cpmemory.session.turns import BlockDecision, PreparedTurn, turn_counts
 
 logger = logging.getLogger(__name__)
 
@@ -42,13 +43,18 @@ class TurnMemory(Protocol):
 
     config: CpMemoryConfig
 
-    async def prepare(self, conversation_id: str, query: str, blocks: Sequence[Block], **options: Any) -> Any: ...
+    async def prepare(
+        self, conversation_id: str, query: str, blocks: Sequence[Block], *,
+        history: Sequence[Mapping[str, Any]] | None = None, tenant: str = "default", system_prompt: str | None = None,
+    ) -> PreparedTurn: ...
 
-    async def commit(self, turn_or_reservation_id: Any, answer: str) -> int: ...
+    async def commit(self, turn_or_reservation_id: PreparedTurn, answer: str) -> int: ...
 
-    async def abort(self, turn_or_reservation_id: Any) -> bool: ...
+    async def abort(self, turn_or_reservation_id: PreparedTurn) -> bool: ...
 
-    def evict(self, request_ids: Sequence[str], **options: Any) -> Any: ...
+    async def evict(self, request_ids: Sequence[str], *, tenant: str = "default") -> int: ...
+
+    def index_evictor(self) -> IndexEvictor: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -179,7 +185,7 @@ class ProxyService:
         client_body["model"] = request.model
         return engine_body(client_body, request_id=request_id, cache_salt=self.cache_salt(tenant), messages=messages)
 
-    async def prepare(self, tenant: str, turn: TurnInput) -> Any:
+    async def prepare(self, tenant: str, turn: TurnInput) -> PreparedTurn:
         """Run the facade's prepare (InvalidInputError propagates: nothing was stored)."""
         return await self.memory.prepare(
             turn.conversation_id, turn.query, list(turn.blocks), history=list(turn.history) if turn.history else None,
@@ -206,7 +212,7 @@ class ProxyService:
         return OpenedStream(opened, payload.strip_usage)
 
     async def run_turn(
-        self, request: ChatCompletionRequest, tenant: str, turn: TurnInput, prepared: Any, started: float
+        self, request: ChatCompletionRequest, tenant: str, turn: TurnInput, prepared: PreparedTurn, started: float
     ) -> TurnOutcome:
         """Send a prepared turn, then commit (success) or abort (any failure, re-raised: an engine error, or a
         request that cannot be encoded, InvalidInputError)."""
@@ -231,7 +237,7 @@ class ProxyService:
         return TurnOutcome({**result.response, "cpmemory": info})
 
     async def open_turn_stream(self, request: ChatCompletionRequest, tenant: str, turn: TurnInput,
-                               prepared: Any) -> OpenedStream:
+                               prepared: PreparedTurn) -> OpenedStream:
         """Open the engine stream of a prepared turn; abort the turn if it cannot be sent (re-raised)."""
         request_id = engine_request_id(prepared)
         payload = self.engine_payload(request, prepared.messages, request_id, tenant)
@@ -254,7 +260,7 @@ class ProxyService:
             self.kv_sync.register_later(target, request_id, payload, tenant)
 
     async def relay_stream(
-        self, opened: OpenedStream, prepared: Any | None, overhead_s: float
+        self, opened: OpenedStream, prepared: PreparedTurn | None, overhead_s: float
     ) -> AsyncIterator[bytes]:
         """Relay the engine's events (less the usage the client did not ask for); at the end commit choice 0's
         answer (clean end) or abort (anything else)."""
@@ -276,7 +282,7 @@ class ProxyService:
             await self._finish_stream(opened.dispatch, prepared, collector, overhead_s)
 
     async def _finish_stream(
-        self, opened: StreamDispatch, prepared: Any | None, collector: SseCollector, overhead_s: float
+        self, opened: StreamDispatch, prepared: PreparedTurn | None, collector: SseCollector, overhead_s: float
     ) -> None:
         started = time.perf_counter()
         if prepared is not None:
@@ -287,40 +293,40 @@ class ProxyService:
         self._count_engine(opened.decision, opened.failovers, collector.usage)
         self.metrics.overhead.observe(overhead_s + time.perf_counter() - started)
 
-    async def commit(self, prepared: Any, answer: str) -> bool:
+    async def commit(self, prepared: PreparedTurn, answer: str) -> bool:
         """Commit the turn; a store failure or an expired reservation is logged and counted, never raised."""
         try:
             await self.memory.commit(prepared, answer)
         except (StoreUnavailableError, ReservationError) as error:
-            logger.warning("commit of %s failed: %s", getattr(prepared, "request_id", "?"), error)
+            logger.warning("commit of %s failed: %s", prepared.request_id or prepared.reservation_id, error)
             self.metrics.fallbacks.labels(kind="store").inc()
             return False
         return True
 
-    async def abort(self, prepared: Any) -> None:
+    async def abort(self, prepared: PreparedTurn) -> None:
         """Release the turn's reservation; failures are logged (the reservation expires on its own)."""
         try:
             await self.memory.abort(prepared)
         except (StoreUnavailableError, ReservationError) as error:
-            logger.warning("abort of %s failed: %s", getattr(prepared, "request_id", "?"), error)
+            logger.warning("abort of %s failed: %s", prepared.request_id or prepared.reservation_id, error)
 
     def turn_info(
-        self, turn: TurnInput, prepared: Any, decision: Any, failovers: int, usage: Any, committed: bool,
+        self, turn: TurnInput, prepared: PreparedTurn, decision: RouteDecision, failovers: int, usage: Any, committed: bool,
         overhead_s: float,
     ) -> dict[str, Any]:
         """The ``cpmemory`` field of a response; also records the turn's metrics."""
         prompt_tokens, cached_tokens = usage_tokens({"usage": usage})
-        decisions = [decision_dict(item) for item in getattr(prepared, "decisions", ())]
+        decisions = [decision_dict(item) for item in prepared.decisions]
         deduplicated = turn_counts(prepared, self.memory.config.chars_per_token)["dedup_tokens_saved"]
         self.metrics.tokens_deduplicated.inc(deduplicated)
         self.metrics.observe_blocks([item["status"] for item in decisions])
         self.metrics.overhead.observe(max(0.0, overhead_s))
-        degraded = bool(getattr(prepared, "degraded", False))
+        degraded = prepared.degraded
         if degraded:  # the store was down at prepare: the turn went through in full and nothing was recorded
             self.metrics.fallbacks.labels(kind="store").inc()
             committed = False
         return {
-            "conversation_id": turn.conversation_id, "turn": getattr(prepared, "turn", None),
+            "conversation_id": turn.conversation_id, "turn": prepared.turn,
             "request_id": engine_request_id(prepared), "replica": decision.index, "route_reason": decision.reason,
             "failovers": failovers, "decisions": decisions, "cached_tokens": cached_tokens,
             "prompt_tokens": prompt_tokens, "tokens_deduplicated": deduplicated, "degraded": degraded,
@@ -341,28 +347,27 @@ class ProxyService:
         self.metrics.healthy_replicas.set(self.dispatcher.router.healthy_count())
 
 
-def has_history(turn: TurnInput, prepared: Any) -> bool:
+def has_history(turn: TurnInput, prepared: PreparedTurn) -> bool:
     """Whether a turn carries conversation history (a later turn, or the client's own transcript)."""
-    return bool(turn.history) or int(getattr(prepared, "turn", 1) or 1) > 1
+    return bool(turn.history) or prepared.turn > 1
 
 
-def engine_request_id(prepared: Any) -> str:
+def engine_request_id(prepared: PreparedTurn) -> str:
     """The request id sent to the engine: the turn's index leaf id, or a fresh one when nothing was indexed."""
-    request_id = getattr(prepared, "request_id", "")
-    if request_id:
-        return str(request_id)
-    reservation = getattr(prepared, "reservation_id", "") or uuid.uuid4().hex
+    if prepared.request_id:
+        return prepared.request_id
+    reservation = prepared.reservation_id or uuid.uuid4().hex
     return f"cpm-{reservation}"
 
 
-def decision_dict(item: Any) -> dict[str, Any]:
+def decision_dict(item: BlockDecision) -> dict[str, Any]:
     """A BlockDecision as a JSON-ready dict."""
     return {
         "block_id": str(item.block_id), "label": str(item.label), "status": str(item.status),
         "original_rank": int(item.original_rank),
         "prompt_position": None if item.prompt_position is None else int(item.prompt_position),
-        "saved_chars": int(getattr(item, "saved_chars", 0)),
-        "duplicate_of": getattr(item, "duplicate_of", None),
+        "saved_chars": int(item.saved_chars),
+        "duplicate_of": item.duplicate_of,
     }
 
 

@@ -264,8 +264,8 @@ def decide_blocks(
     """
     history = sent.messages
     view = history_view(sent, reservation, config)
-    kwargs = {"seen_hashes": reservation.seen, "previous_hash_for_id": reservation.previous_hash_for_id}
-    decisions = decide(turn_input.blocks, turn_input.digests, view, **kwargs)
+    decisions = decide(turn_input.blocks, turn_input.digests, view, seen_hashes=reservation.seen,
+                       previous_hash_for_id=reservation.previous_hash_for_id)
     if isinstance(view, CommittedHistory) and segments is not None:
         _unique_references(turn_input.blocks, decisions, history, segments)
     wants_partial = (

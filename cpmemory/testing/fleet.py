@@ -59,7 +59,9 @@ class MockFleet:
 
     def async_transport(self) -> Any:
         """An ``httpx.AsyncBaseTransport`` over the fleet (for ``httpx.AsyncClient(transport=...)``)."""
-        httpx = _httpx()
+        _httpx()
+        import httpx
+
         fleet = self
 
         class _FleetTransport(httpx.AsyncBaseTransport):

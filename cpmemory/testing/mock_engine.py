@@ -187,9 +187,9 @@ class MockEngine:
             time.sleep((len(tokens) - cached) * self.prefill_s_per_token)
         answer = self.reply(body)
         texts = [answer if index == 0 else f"{answer} #{index}" for index in range(_choice_count(body))]
-        usage = {"prompt_tokens": len(tokens), "completion_tokens": sum(len(_pieces(text)) for text in texts),
-                 "total_tokens": 0, "prompt_tokens_details": {"cached_tokens": cached}}
-        usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+        completion = sum(len(_pieces(text)) for text in texts)
+        usage = {"prompt_tokens": len(tokens), "completion_tokens": completion, "total_tokens": len(tokens) + completion,
+                 "prompt_tokens_details": {"cached_tokens": cached}}
         response_id = f"chatcmpl-{request_id}"
         if not body.get("stream"):
             return httpx.Response(200, json={

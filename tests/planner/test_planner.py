@@ -53,7 +53,7 @@ def test_sessions_keep_turn_order_and_run_back_to_back(
         assert positions == sorted(positions)  # turns in order
         where = [plan.order.index(i) for i in positions]
         assert where == list(range(where[0], where[0] + len(where)))  # contiguous
-    for planned, original, session in zip(plan.contexts, contexts, sessions):
+    for planned, original in zip(plan.contexts, contexts):
         assert Counter(planned) == Counter(original)
 
 

@@ -122,7 +122,7 @@ def test_exact_optimum_matches_brute_force_over_every_block_order(contexts, data
 @settings(max_examples=80, deadline=None)
 @given(batches, st.data())
 def test_patched_layout_after_moves_equals_a_fresh_one(contexts, data) -> None:
-    weights = {b: 1 for b in range(10)}
+    weights = dict.fromkeys(range(10), 1)
     tree, _ = build_dendrogram(contexts, contexts, weights)
     for _ in range(5):
         nodes = [int(n) for n in tree._layout()[0] if n != tree.root]
