@@ -1,10 +1,11 @@
-# Quick start: `make demo` (set up + run the demo), `make test` (set up + run the tests).
+# Quick start: `make demo` (set up + run the demo), `make test` (set up + run the tests), `make check` (lint, types,
+# import contract and unit tests: the fast loop for local work, under 2 minutes).
 PYTHON ?= python3
 VENV ?= .venv
 PIP = $(VENV)/bin/pip
 STAMP = $(VENV)/.installed
 
-.PHONY: demo test setup bench-results clean
+.PHONY: demo test check lint setup bench-results clean
 
 $(STAMP): pyproject.toml
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
@@ -21,6 +22,18 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(VENV)/bin/python -m pytest -q $(PYTEST_ARGS)
+
+# ruff (rule set in pyproject.toml), the layer contract (ARCHITECTURE.md), mypy on cpmemory/.
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/lint-imports
+	$(VENV)/bin/mypy
+
+# lint + the unit tests (no Redis server, no child processes, no real engine, no heavy integrations).
+UNIT_MARKERS = not slow and not redis and not cluster and not vllm
+check: lint
+	$(VENV)/bin/python -m pytest -q -x -p no:cacheprovider -m "$(UNIT_MARKERS)" \
+		--ignore=tests/reliability --ignore=tests/integrations $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache
