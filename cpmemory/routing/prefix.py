@@ -26,7 +26,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
 import numpy as np
 
@@ -332,7 +332,7 @@ def replica_score(weights: Weights, cached_fraction: float, in_flight: int, max_
 class TeeHandler:
     """Feeds one subscriber's batches to several handlers (eviction sync and the prefix view)."""
 
-    def __init__(self, *handlers: object) -> None:
+    def __init__(self, *handlers: Any) -> None:
         self.handlers = handlers
 
     def handle_batch(self, batch: EventBatch) -> None:
@@ -343,7 +343,7 @@ class TeeHandler:
         """Pass the gap to every handler (all of them run; the first failure is re-raised after)."""
         self._each(lambda handler: handler.handle_gap(expected, received))
 
-    def _each(self, call: Callable[[object], None]) -> None:
+    def _each(self, call: Callable[[Any], None]) -> None:
         failure: Exception | None = None
         for handler in self.handlers:
             try:

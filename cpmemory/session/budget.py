@@ -41,10 +41,10 @@ COUNT_CACHE_ENTRIES = 1024
 
 _CLASSES = str.maketrans(
     {
-        **{c: "a" for c in string.ascii_lowercase},
-        **{c: "A" for c in string.ascii_uppercase},
-        **{c: "0" for c in string.digits},
-        **{c: "." for c in string.punctuation},
+        **dict.fromkeys(string.ascii_lowercase, "a"),
+        **dict.fromkeys(string.ascii_uppercase, "A"),
+        **dict.fromkeys(string.digits, "0"),
+        **dict.fromkeys(string.punctuation, "."),
         **{chr(i): "." for i in (*range(32), 127) if chr(i) not in string.whitespace},
         **{c: "\n" for c in string.whitespace if c != " "},
         " ": " ",

@@ -198,7 +198,8 @@ class RedisSessionCodec:
                 seen[content_hash] = _decode_seen(content_hash, seen_value)
             if previous_hash is not None:
                 previous[block_id] = decode_text(previous_hash)
-        transcript, sizes = None, ()
+        transcript = None
+        sizes: tuple[int, ...] = ()
         if request.include_transcript:
             transcript, sizes = _decode_turns(transcript_raw or ())
         return Reservation(

@@ -91,7 +91,9 @@ def test_property_prompts_fit_and_nothing_is_lost(budget: int, seed: int, window
 
 
 def test_caller_counter_and_per_call_budget() -> None:
-    words = lambda text: len(text.split())
+    def words(text: str) -> int:
+        return len(text.split())
+
     mem = CpMemory(config=CpMemoryConfig(max_prompt_tokens=100_000, token_counter=words, message_overhead_tokens=0))
     rng = random.Random(5)
     for turn in range(30):
@@ -113,7 +115,7 @@ def test_given_history_is_cut_to_the_budget_at_stable_points() -> None:
             sent_before = previous.messages[1:-1]
             sent_now = prepared.messages[1:-1]
             if sent_now[: len(sent_before)] != sent_before:  # a cut moved: only forward, to a later message
-                assert not sent_now or sent_now[0] in history and history.index(sent_now[0]) > history.index(sent_before[0])
+                assert not sent_now or (sent_now[0] in history and history.index(sent_now[0]) > history.index(sent_before[0]))
         previous = prepared
         mem.commit(prepared, "a")
         history = history + [prepared.messages[-1], {"role": "assistant", "content": doc(rng, 40)}]
