@@ -6,8 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cpmemory import Block, normalize_blocks
-from cpmemory.core.blocks import resolve_blocks
-from cpmemory.core.blocks import LABEL_HEX_DIGITS, content_hash, to_block
+from cpmemory.core.blocks import LABEL_HEX_DIGITS, content_hash, resolve_blocks, to_block
 from cpmemory.errors import InvalidBlockError, InvalidInputError
 
 

@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from cpmemory.core.index import ContextIndex
 from cpmemory.core.online import OnlineOrderer
 
-
 MAX_PLANNED = 4096
 
 
@@ -92,7 +91,7 @@ class TenantIndexes:
             return Placement()
         with self._lock:
             orderer = self._orderer(tenant)
-            ordered = self._planned.get(tenant, {}).pop(frozenset(context), None)  # type: ignore[arg-type]
+            ordered = self._planned.get(tenant, {}).pop(frozenset(context), None)  # type: ignore[call-overload]
             if ordered is None:  # not planned in a window: order it now
                 orderer.observe(context)
                 ordered = orderer.order(context, sizes)

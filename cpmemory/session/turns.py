@@ -157,7 +157,7 @@ def _check_message(position: int, message: Any) -> Mapping[str, Any]:
     content = message.get("content")
     if not isinstance(message.get("role"), str):
         raise InvalidInputError(f"history[{position}] needs a string 'role'")
-    parts_ok = _is_list_like(content) and all(isinstance(part, Mapping) for part in content)
+    parts_ok = _is_list_like(content) and all(isinstance(part, Mapping) for part in content or ())
     if not (isinstance(content, str) or parts_ok or (content is None and message["role"] == "assistant")):
         raise InvalidInputError(
             f"history[{position}]: 'content' must be a string or a list of parts (null only for an assistant)"
@@ -412,8 +412,8 @@ def plan_turn(
         order = arrange(turn_input, shown, ())
         placement = indexes.place(tenant, _context(turn_input, order), request_id)
     else:
-        context = _context(turn_input, shown)
-        placement = indexes.order_and_place(tenant, context, _sizes(turn_input, shown, context), request_id)
+        keys = _context(turn_input, shown)
+        placement = indexes.order_and_place(tenant, keys, _sizes(turn_input, shown, keys), request_id)
         order = arrange(turn_input, shown, placement.prefix)
     text, positions, annotated = render_user_message(turn_input, decisions, order, config, labels)
     return PreparedTurn(

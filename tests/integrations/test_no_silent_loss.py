@@ -17,7 +17,7 @@ from cpmemory.errors import InvalidInputError, StoreUnavailableError, UnknownRes
 from cpmemory.facade import CpMemory
 from cpmemory.stores.base import ConversationKey
 from cpmemory.stores.memory import InMemorySessionStore
-from integrations.langchain import CpMemoryPromptRunnable, CpMemoryRetriever
+from integrations.langchain import CpMemoryPromptRunnable
 from integrations.mem0 import CpMemoryMem0
 from tests.integrations.test_langchain_adapter import _retriever, _thread
 

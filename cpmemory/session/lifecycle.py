@@ -1,0 +1,317 @@
+"""State and logic shared by the sync and async facades (``cpmemory.facade``): no store IO here.
+
+:class:`FacadeCore` holds a facade's config, counters, per-tenant indexes, segment cache and pending turns, and
+turns the pure steps of :mod:`cpmemory.session.turns` into the facade's prepare / commit / abort bookkeeping; the
+facades add the store calls. :class:`IndexEvictor` is the synchronous index maintenance the KV-event thread drives.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import threading
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import Hashable, Iterable, Mapping, Sequence
+from typing import Any, NoReturn
+
+from cpmemory.core.blocks import BlockLike, normalize_blocks
+from cpmemory.errors import (
+    InvalidInputError,
+    PromptBudgetError,
+    StoreUnavailableError,
+    TokenCounterError,
+    UnknownReservationError,
+)
+from cpmemory.session.batch import plan_contexts
+from cpmemory.session.budget import PromptBudget, check_budget, estimate_tokens
+from cpmemory.session.budgeted import check_turn_alone, fit_degraded, plan_budgeted
+from cpmemory.session.config import CpMemoryConfig
+from cpmemory.session.counters import FacadeCounters
+from cpmemory.session.index import Placement, TenantIndexes
+from cpmemory.session.segments import SegmentCache
+from cpmemory.session.turns import (
+    PreparedTurn,
+    TurnInput,
+    commit_record,
+    degraded_turn,
+    make_input,
+    plan_turn,
+    turn_counts,
+)
+from cpmemory.types import BatchPlan, ConversationKey, TurnRecord
+
+logger = logging.getLogger(__name__)
+
+
+def is_store_failure(error: BaseException) -> bool:
+    """True for errors that mean "the store cannot be reached": ours, OS-level, or any redis-py error."""
+    if isinstance(error, (StoreUnavailableError, ConnectionError, TimeoutError, OSError)):
+        return True
+    return any(cls.__module__.split(".")[0] == "redis" for cls in type(error).__mro__)
+
+
+class FacadeCore:
+    """State and logic shared by the sync and async facades (no store IO here)."""
+
+    def __init__(self, config: CpMemoryConfig | None) -> None:
+        if config is not None and not isinstance(config, CpMemoryConfig):
+            raise InvalidInputError("config must be a CpMemoryConfig")
+        self.config = config or CpMemoryConfig()
+        self.counters = FacadeCounters()
+        self._indexes = TenantIndexes(self.config.alpha, self.config.max_leaves_per_tenant)
+        self._pending: OrderedDict[str, tuple[float, PreparedTurn]] = OrderedDict()
+        self._pending_lock = threading.Lock()
+        self._outage = False
+        self._segments = SegmentCache()
+        self._token_counts: dict[str, int] = {}  # shared by every call's PromptBudget (bounded there)
+
+    # -- prepare -------------------------------------------------------------------------------------------------
+    def _input(
+        self, conversation_id: str, query: str, blocks: Iterable[BlockLike], **kwargs: Any
+    ) -> TurnInput:
+        return make_input(conversation_id, query, blocks, config=self.config, **kwargs)
+
+    def _budget(self, override: int | None) -> PromptBudget | None:
+        """The token budget of one call (``max_prompt_tokens`` argument, else the config's); None when none."""
+        limit = override if override is not None else self.config.max_prompt_tokens
+        if limit is None:
+            return None
+        counter = self.config.token_counter or estimate_tokens
+        return PromptBudget(check_budget(limit), counter, self.config.message_overhead_tokens, self._token_counts)
+
+    def _checked_input(self, budget: PromptBudget | None, *args: Any, **kwargs: Any) -> TurnInput:
+        """Validate the call; with a budget, check that the turn fits alone (all before anything is reserved)."""
+        turn_input = self._input(*args, **kwargs)
+        if budget is not None:
+            check_turn_alone(turn_input, self.config, budget)
+        return turn_input
+
+    def _planned(self, turn_input: TurnInput, reservation: Any, budget: PromptBudget | None = None) -> PreparedTurn:
+        if self._outage:
+            self._outage = False
+            logger.warning("session store reachable again; de-duplication resumed")
+        # A conversation's history only grows: its segment index is cached and extended (stored or given history).
+        source = functools.partial(self._segments.for_history, turn_input.key)
+        try:
+            if budget is not None:
+                turn = plan_budgeted(turn_input, reservation, self._indexes, self.config, budget, source)
+            else:
+                turn = plan_turn(turn_input, reservation, self._indexes, self.config, source)
+        except (PromptBudgetError, TokenCounterError):
+            raise
+        except Exception:  # an index bug must not lose the request: fall back to relevance order
+            logger.exception("context index failed; tenant index reset, request kept in relevance order")
+            self.counters.add(index_errors=1)
+            self._indexes.reset(turn_input.key.tenant)
+            if budget is not None:
+                turn = plan_budgeted(turn_input, reservation, _NoIndex(), self.config, budget)
+            else:
+                turn = plan_turn(turn_input, reservation, _NoIndex(), self.config)
+        self._remember(turn)
+        self.counters.add(**turn_counts(turn, self.config.chars_per_token))
+        return turn
+
+    def _degraded(
+        self, turn_input: TurnInput, error: BaseException, budget: PromptBudget | None = None
+    ) -> PreparedTurn:
+        if not self._outage:
+            self._outage = True
+            logger.warning("session store unavailable (%s); serving pass-through until it returns", error)
+        turn = degraded_turn(turn_input, self.config)
+        if budget is not None:
+            turn = fit_degraded(turn, budget)
+        self.counters.add(fallbacks=1, **turn_counts(turn, self.config.chars_per_token))
+        return turn
+
+    # -- pending turns (commit/abort by reservation id) -----------------------------------------------------------
+    def _remember(self, turn: PreparedTurn) -> None:
+        now = time.monotonic()
+        horizon = now - 2 * self.config.reservation_timeout_s  # past the store's deadline: it says "expired"
+        with self._pending_lock:
+            self._pending[turn.reservation_id] = (
+                now,
+                dataclasses.replace(turn, messages=[]),
+            )  # commit needs no history
+            while self._pending and (
+                len(self._pending) > self.config.max_pending_turns
+                or next(iter(self._pending.values()))[0] < horizon
+            ):
+                self._pending.popitem(last=False)
+
+    def _resolve(self, turn_or_id: PreparedTurn | str) -> PreparedTurn:
+        if isinstance(turn_or_id, PreparedTurn):
+            return turn_or_id
+        if not isinstance(turn_or_id, str):
+            raise InvalidInputError("expected a PreparedTurn or a reservation id string")
+        with self._pending_lock:
+            entry = self._pending.get(turn_or_id)
+        if entry is None:
+            raise UnknownReservationError(f"unknown reservation {turn_or_id!r}")
+        return entry[1]
+
+    def _to_commit(self, turn_or_id: PreparedTurn | str, answer: str) -> tuple[PreparedTurn, TurnRecord]:
+        """Resolve the turn and build its record (validates ``answer`` before any store call)."""
+        turn = self._resolve(turn_or_id)
+        return turn, commit_record(turn, answer)
+
+    def _commit_failed(self, error: Exception) -> NoReturn:
+        """Re-raise a store error raised by commit: store failures become StoreUnavailableError (and are counted)."""
+        if not is_store_failure(error):
+            raise error
+        self.counters.add(commit_failures=1)
+        if isinstance(error, StoreUnavailableError):
+            raise error
+        raise StoreUnavailableError(f"commit failed: {error}") from error
+
+    def _to_abort(self, turn_or_id: PreparedTurn | str) -> tuple[PreparedTurn | None, bool]:
+        """(the turn to release, or None when it is unknown or degraded; whether this facade still holds it open)."""
+        try:
+            turn = self._resolve(turn_or_id)
+        except UnknownReservationError:
+            return None, False
+        with self._pending_lock:
+            pending = turn.reservation_id in self._pending
+        return (None if turn.degraded else turn), pending
+
+    def _committed(self, turn: PreparedTurn, number: int) -> int:
+        self._forget(turn)
+        self.counters.add(commits=1)
+        return number
+
+    def _forget(self, turn: PreparedTurn) -> None:
+        with self._pending_lock:
+            self._pending.pop(turn.reservation_id, None)
+
+    def _after_abort(self, turn: PreparedTurn, released: bool, unsure_open: bool) -> None:
+        """Forget the turn; evict its index leaf only when the abort released it, or the store could not say and
+        the turn was still open here (``unsure_open``): a late abort, after commit, never touches the index."""
+        self._forget(turn)
+        if turn.request_id and (released or unsure_open):
+            # the engine never finished this request: its prefix is not cached for us
+            removed = self._indexes.evict(turn.tenant, [turn.request_id])
+            self.counters.add(index_evictions=removed)
+        self.counters.add(aborts=int(released))
+
+    # -- offline mode and index maintenance -----------------------------------------------------------------------
+    def _plan_batch(self, requests: Sequence[Iterable[BlockLike]], tenant: str) -> BatchPlan:
+        if isinstance(requests, (str, bytes, Mapping)) or not isinstance(requests, Iterable):
+            raise InvalidInputError("requests must be a list of block lists")
+        ConversationKey(tenant, "batch")  # validates the tenant id (InvalidIdentifierError)
+        block_lists = [normalize_blocks(blocks) for blocks in requests]
+        order, id_lists = plan_contexts(block_lists)
+        request_ids: list[str] = []
+        for blocks, ids in zip(block_lists, id_lists):
+            request_ids.append(self._insert_planned(tenant, blocks, ids))
+        return BatchPlan(order=order, contexts=id_lists, request_ids=request_ids)
+
+    def order_blocks(self, blocks: Iterable[BlockLike], *, tenant: str = "default") -> list[Any]:
+        """The online order of a request outside any conversation (no conversation id): its blocks, prompt order.
+
+        The tenant's online orderer decides, exactly as ``prepare`` would without ``prompt_order``; nothing is
+        de-duplicated and no conversation state is read or written (no store call). The order is recorded in the
+        tenant's index (the engine will cache it, so later requests can share it). Returns the normalised blocks
+        (repeated ids dropped) in prompt order.
+        """
+        ConversationKey(tenant, "stateless")  # validates the tenant id (InvalidIdentifierError)
+        normalized = normalize_blocks(blocks)
+        by_hash: dict[Hashable, list[Any]] = {}
+        for block in normalized:
+            by_hash.setdefault(block.content_hash, []).append(block)
+        context = list(by_hash)
+        sizes = [float(len(by_hash[key][0].text) + 1) for key in context]
+        placement = self._indexes.order_and_place(tenant, context, sizes, uuid.uuid4().hex)
+        return [block for key in placement.prefix for block in by_hash[key]]
+
+    def release_order(self, requests: Sequence[Iterable[BlockLike]], *, tenant: str = "default") -> list[int]:
+        """The order in which to run waiting requests (the proxy's hold-and-release queue).
+
+        The tenant's online planner orders the window (``cpmemory.core.online.OnlineOrderer.plan_window``): the
+        block orders it decides are used when the requests are then prepared (without ``prompt_order``) in this
+        order. Nothing is recorded in the index until they are prepared; their blocks count as retrieved.
+
+        Args:
+            requests: the waiting requests' blocks, in arrival order.
+            tenant: the tenant whose index decides.
+
+        Returns:
+            A permutation of ``range(len(requests))``.
+        """
+        if isinstance(requests, (str, bytes, Mapping)):
+            raise InvalidInputError("requests must be a list of block lists")
+        ConversationKey(tenant, "batch")
+        contexts, sizes = [], []
+        for blocks in requests:
+            length: dict[str, float] = {}
+            for block in normalize_blocks(blocks):
+                length.setdefault(block.content_hash, float(len(block.text) + 1))
+            contexts.append(list(length))
+            sizes.append(list(length.values()))
+        return self._indexes.release_order(tenant, contexts, sizes)
+
+    def _insert_planned(self, tenant: str, blocks: Sequence[Any], ids: Sequence[str]) -> str:
+        if not ids:
+            return ""
+        digest_of = {block.id: block.content_hash for block in blocks}
+        request_id = uuid.uuid4().hex
+        placement = self._indexes.place(tenant, list(dict.fromkeys(digest_of[i] for i in ids)), request_id)
+        self.counters.add(index_evictions=len(placement.evicted))
+        return request_id
+
+    def _evict(self, request_ids: Iterable[str], tenant: str) -> int:
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        if isinstance(request_ids, (bytes, Mapping)) or not isinstance(request_ids, Iterable):
+            raise InvalidInputError("request_ids must be a list of request id strings")
+        request_ids = list(request_ids)
+        if not all(isinstance(request_id, str) for request_id in request_ids):
+            raise InvalidInputError("request_ids must be strings")
+        removed = self._indexes.evict(tenant, request_ids)
+        self.counters.add(index_evictions=removed)
+        return removed
+
+    def _reset_index(self, tenant: str | None) -> None:
+        self._indexes.reset(tenant)
+
+    def index_evictor(self) -> IndexEvictor:
+        """A synchronous view of the index maintenance (``evict``, ``reset_index``), safe to call from another
+        thread: what :class:`cpmemory.engines.eviction_sync.EvictionSync` drives from its subscriber thread."""
+        return IndexEvictor(self)
+
+    def check_index(self, tenant: str = "default") -> None:
+        """Check the tenant's index invariants (raises IndexIntegrityError on corruption; for tests and tools)."""
+        self._indexes.check_integrity(tenant)
+
+    def index_size(self, tenant: str = "default") -> int:
+        """Number of requests in the tenant's index."""
+        return self._indexes.size(tenant)
+
+
+class IndexEvictor:
+    """Synchronous index maintenance of a facade (sync or async): evictions and resets, no store IO."""
+
+    __slots__ = ("_core",)
+
+    def __init__(self, core: FacadeCore) -> None:
+        """Wrap a facade."""
+        self._core = core
+
+    def evict(self, request_ids: Iterable[str], *, tenant: str = "default") -> int:
+        """Remove the leaves of ``request_ids`` from the tenant's index. Returns how many were removed."""
+        return self._core._evict(request_ids, tenant)
+
+    def reset_index(self, tenant: str | None = None) -> None:
+        """Drop one tenant's index (or all of them)."""
+        self._core._reset_index(tenant)
+
+
+class _NoIndex(TenantIndexes):
+    """Index stand-in used after an index failure: no prefix, nothing inserted."""
+
+    def __init__(self) -> None:
+        super().__init__(alpha=0.0, max_leaves=1)
+
+    def place(self, tenant: str, context: Sequence[Any], request_id: str) -> Placement:
+        return Placement()
