@@ -97,6 +97,26 @@ class StreamAccumulator:
         """True once ``[DONE]`` was read."""
         return self.state.done
 
+    @property
+    def parts(self) -> list[str]:
+        """Choice 0's text so far (one string; joined, it is the answer)."""
+        return [self.state.text()]
+
+    @property
+    def usage(self) -> dict[str, Any] | None:
+        """The last usage object seen."""
+        return self.state.usage
+
+    @property
+    def finish_reason(self) -> str | None:
+        """Choice 0's finish reason (None while it runs)."""
+        return self.state.finish_reason()
+
+    @property
+    def response_id(self) -> str | None:
+        """The engine's completion id."""
+        return self.state.response_id
+
     def feed_line(self, line: str | bytes, now: float) -> str | None:
         """Consume one SSE line; return the text it added to choice 0 (None for none).
 
