@@ -89,35 +89,31 @@ def _served(url: str) -> float:
                if line.startswith("vllm:request_success_total{"))
 
 
-async def test_online_prompts_through_vllm_router_keep_the_single_server_cache_hits() -> None:
+async def test_online_prompts_keep_the_single_server_cache_hits_through_vllm_router_and_the_built_in_router() -> None:
     _reset_caches()
     single_cached, single_prompt, _ = await _replay(ServerConfig(engines=[REPLICAS[0]], engine_timeout_s=300))
+    assert single_cached > 0.3 * single_prompt, (single_cached, single_prompt)
+
+    # 1. through vllm-router (kv_aware): the gateway picks the replica; the proxy follows both replicas' evictions
     _reset_caches()
-    routed_config = ServerConfig(upstream=ROUTER, engines=REPLICAS, kv_events=KV_ENDPOINTS, engine_timeout_s=300)
     before = [_served(url) for url in REPLICAS]
-    routed_cached, routed_prompt, infos = await _replay(routed_config)
+    gateway = ServerConfig(upstream=ROUTER, engines=REPLICAS, kv_events=KV_ENDPOINTS, engine_timeout_s=300)
+    routed_cached, routed_prompt, infos = await _replay(gateway)
     served = [_served(url) - earlier for url, earlier in zip(REPLICAS, before)]
-    print(f"requests per replica through the router: {served}")
+    print(f"single server: {single_cached}/{single_prompt} cached; through vllm-router: {routed_cached}/"
+          f"{routed_prompt}, requests per replica {served}")
     # the same prompts, but for the chats' second turns: their history holds the first answers, which may differ by a
     # token between two replicas (bf16 numerics with and without cached prefixes)
     assert abs(routed_prompt - single_prompt) <= 0.01 * single_prompt
-    print(f"single server: {single_cached}/{single_prompt} cached; through vllm-router: {routed_cached}/{routed_prompt}")
-    assert single_cached > 0.3 * single_prompt, (single_cached, single_prompt)
     assert routed_cached >= 0.9 * single_cached, (routed_cached, single_cached)
     assert [i["turn"] for i in infos[-3:]] == [2, 2, 2]
 
-
-async def test_the_built_in_prefix_router_on_the_same_replicas_follows_their_kv_events() -> None:
-    """No gateway: cpmemory's own router scores the two replicas from their KV events (vLLM's block hashes, the
-    tenant's cache salt included, reproduced offline) and keeps the single server's cache hits too."""
+    # 2. no gateway: cpmemory's own router scores the replicas from their KV events (vLLM's block hashes, the tenant's
+    # cache salt included, reproduced offline)
     _reset_caches()
-    single_cached, _, _ = await _replay(ServerConfig(engines=[REPLICAS[0]], engine_timeout_s=300))
-    _reset_caches()
-    config = ServerConfig(engines=REPLICAS, kv_events=KV_ENDPOINTS, engine_timeout_s=300)
-    routed_cached, _, infos = await _replay(config)
+    built_in = ServerConfig(engines=REPLICAS, kv_events=KV_ENDPOINTS, engine_timeout_s=300)
+    own_cached, _, infos = await _replay(built_in)
     reasons = [info["route_reason"] for info in infos]
-    replicas = {info["replica"] for info in infos}
-    print(f"built-in router: {routed_cached} cached vs {single_cached}; reasons "
-          f"{ {reason: reasons.count(reason) for reason in set(reasons)} }, replicas {sorted(replicas)}")
-    assert routed_cached >= 0.9 * single_cached, (routed_cached, single_cached)
-    assert reasons.count("prefix") >= len(infos) // 2 and replicas == {0, 1}
+    print(f"built-in router: {own_cached} cached; reasons { {r: reasons.count(r) for r in set(reasons)} }")
+    assert own_cached >= 0.9 * single_cached, (own_cached, single_cached)
+    assert reasons.count("prefix") >= len(infos) // 2 and {info["replica"] for info in infos} == {0, 1}

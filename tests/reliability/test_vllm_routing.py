@@ -11,7 +11,7 @@ import pytest
 
 from cpmemory.bench.load import RecordingTransport
 from cpmemory.core.invariants import check_no_loss
-from cpmemory.routing.router import conversation_affinity_key
+from cpmemory.routing.router import RouterConfig, conversation_affinity_key
 from cpmemory.routing.transport import HttpxChatTransport
 from cpmemory.server.app import ServerConfig, create_app
 
@@ -81,7 +81,10 @@ async def test_real_replicas_affinity_cache_reuse_and_failover() -> None:
     relay = TcpRelay(URLS[1])
     relayed = await relay.start()
     recording = RecordingTransport(HttpxChatTransport())
-    app = create_app(ServerConfig(engines=[URLS[0], relayed], engine_timeout_s=300), transport=recording)
+    # rendezvous homes (the affinity policy) make the failover deterministic; prefix routing on real replicas is
+    # tested in test_vllm_router.py
+    app = create_app(ServerConfig(engines=[URLS[0], relayed], engine_timeout_s=300,
+                                  router=RouterConfig(policy="affinity")), transport=recording)
     router = app.state.service.dispatcher.router
     client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://proxy", timeout=120)
     # two conversations homed on each replica (rendezvous hashing decides; pick names accordingly)

@@ -62,3 +62,33 @@ def test_proxy_image_runs_the_serve_command_with_known_options() -> None:
         known.update(p for p in declared if isinstance(p, str) and p.startswith("--"))
     for arg in services["proxy"]["command"]:
         assert arg.split("=", 1)[0] in known, arg
+
+
+def test_router_variant_puts_vllm_router_between_the_proxy_and_the_replicas() -> None:
+    base = _compose()["services"]
+    variant = yaml.safe_load((ROOT / "docker-compose.router.yml").read_text())["services"]
+    router_args = variant["vllm-router"]["command"]
+    assert "--policy=kv_aware" in router_args
+    replicas = sorted(name for name, spec in base.items() if str(spec.get("image", "")).startswith("vllm/vllm-openai"))
+    workers = [arg for arg in router_args if arg.startswith("http://")]
+    sources = _flag_values(router_args, "--kv-event-source")
+    assert workers == [f"http://{name}:8000" for name in replicas]
+    assert sources == [f"http://{name}:8000=tcp://{name}:5557" for name in replicas]
+    served = {_flag_values(base[name]["command"], "--served-model-name")[0] for name in replicas}
+    assert _flag_values(router_args, "--kv-event-model") == sorted(served)
+    port = _flag_values(router_args, "--port")[0]
+    proxy_args = variant["proxy"]["command"]
+    assert _flag_values(proxy_args, "--upstream") == [f"http://vllm-router:{port}"]
+    assert _flag_values(proxy_args, "--kv-events") == _flag_values(base["proxy"]["command"], "--kv-events")
+    assert variant["proxy"]["depends_on"]["vllm-router"]["condition"] == "service_healthy"
+    assert 'ENTRYPOINT ["vllm-router"]' in (ROOT / variant["vllm-router"]["build"]["dockerfile"]).read_text()
+    # every proxy flag is a `cpmemory serve` option (the base file's check, on the variant's command)
+    import inspect
+
+    known = set()
+    for parameter in inspect.signature(command, eval_str=True).parameters.values():
+        option = parameter.default
+        if hasattr(parameter.annotation, "__metadata__"):
+            option = parameter.annotation.__metadata__[0]
+        known.update(p for p in [*option.param_decls, option.default] if isinstance(p, str) and p.startswith("--"))
+    assert all(arg.split("=", 1)[0] in known for arg in proxy_args)
