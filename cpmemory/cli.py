@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import typer
 
-from cpmemory.bench import conversation, core_bench, demo, load, replay, serve, store_bench
+from cpmemory.bench import conversation, core_bench, demo, load, plan_bench, replay, serve, store_bench
 from cpmemory.server import command as serve_command
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Context reuse for long-context LLM agents.")
@@ -23,6 +23,7 @@ bench_app.command("store", help="Session store latency and round trips (memory, 
 bench_app.command("conversation", help="One long conversation under a token budget: latency, prompt size, prefill.")(
     conversation.command
 )
+bench_app.command("plan", help="plan_batch time and memory on a large seeded batch.")(plan_bench.command)
 bench_app.command("replay", help="Replay a trace or a real workload through every strategy.")(replay.command)
 bench_app.command("load", help="Concurrent conversations through the proxy: overhead, errors, lost blocks.")(
     load.command

@@ -252,26 +252,45 @@ def core_tree_orders(
 def build_split_orders(
     contexts: Sequence[Context], weights: Mapping[Hashable, float], ranks: Mapping[Hashable, int]
 ) -> list[list[Hashable]]:
-    """Top-down conditional-frequency partition (see module docstring); returns each request's block order."""
+    """Top-down conditional-frequency partition (see module docstring); returns each request's block order.
+
+    Per group: an inverted index (block -> members holding it) and a lazy max-heap of the blocks by
+    ``(holders - 1) * tokens`` (ties: more holders, earlier rank). Counts only fall as holders leave the group,
+    so a popped entry whose count is stale is pushed back with its current count. O(R K log) per level of the
+    partition instead of a rescan of every block and member for each block chosen; each request's blocks not yet
+    placed are kept as it moves down the partition.
+    """
     prefixes: list[list[Hashable]] = [[] for _ in contexts]
+    remaining = [list(dict.fromkeys(context)) for context in contexts]  # distinct blocks not placed yet
     stack = [list(range(len(contexts)))]
     while stack:
         members = stack.pop()
-        remaining = {m: list(dict.fromkeys(remaining_blocks(contexts[m], prefixes[m]))) for m in members}
-        counts: Counter = Counter()
+        if len(members) < 2:
+            continue  # a block must be held by two requests to be worth a split
+        postings: dict[Hashable, list[int]] = {}
         for member in members:
-            counts.update(remaining[member])
-        while members:
-            block = _most_saving(counts, weights, ranks)
-            if block is None:
-                break
-            holders = [m for m in members if block in remaining[m]]
+            for block in remaining[member]:
+                postings.setdefault(block, []).append(member)
+        counts = {block: len(holders) for block, holders in postings.items()}
+        heap = [(-(count - 1) * weights.get(block, 1.0), -count, ranks[block], block)
+                for block, count in counts.items() if count >= 2]
+        heapq.heapify(heap)
+        active = set(members)
+        while heap:
+            _saving, negative_count, rank, block = heapq.heappop(heap)
+            count = counts[block]
+            if count != -negative_count:
+                if count >= 2:
+                    heapq.heappush(heap, (-(count - 1) * weights.get(block, 1.0), -count, rank, block))
+                continue
+            holders = [m for m in postings[block] if m in active]
             for member in holders:
-                counts.subtract(remaining[member])
+                active.discard(member)
                 prefixes[member].append(block)
+                for other in remaining[member]:
+                    counts[other] -= 1
+                remaining[member].remove(block)
             stack.append(holders)
-            held = set(holders)
-            members = [m for m in members if m not in held]
     return [prefix + remaining_blocks(context, prefix) for prefix, context in zip(prefixes, contexts)]
 
 
