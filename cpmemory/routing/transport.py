@@ -70,6 +70,11 @@ class HttpxChatTransport:
             self._replicas[base_url] = client
         return client
 
+    @property
+    def client(self) -> Any:
+        """The ``httpx.AsyncClient`` (also used for ``/v1/models`` and ``/tokenize``, cpmemory.server.budget)."""
+        return self._client
+
     async def complete(
         self, base_url: str, payload: Mapping[str, Any], headers: Mapping[str, str], timeout_s: float
     ) -> dict[str, Any]:

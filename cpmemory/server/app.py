@@ -35,6 +35,7 @@ from cpmemory.routing.dispatch import Dispatcher
 from cpmemory.routing.prefix import EventPrefixView, PrefixView, SentPrefixView
 from cpmemory.routing.router import Router, RouterConfig
 from cpmemory.routing.transport import ChatTransport, HttpxChatTransport
+from cpmemory.server.budget import EngineBudget
 from cpmemory.server.metrics import ProxyMetrics
 from cpmemory.server.schemas import (
     ChatCompletionRequest,
@@ -67,6 +68,9 @@ class ServerConfig(BaseModel):
             ``kv_events`` (eviction sync); they may be left empty without ``kv_events``.
         replica_cache_tokens: each replica's cache size in tokens, for the router's view of what was sent where
             (used when the replicas publish no KV events).
+        prompt_budget: fit every cpmemory turn's prompt to the engine: ``max_model_len`` (``/v1/models``) minus the
+            request's ``max_tokens``, counted by the engine's ``/tokenize`` when offered (cpmemory.server.budget).
+        answer_reserve_tokens: answer tokens reserved for a request that gives no ``max_tokens``.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -82,6 +86,8 @@ class ServerConfig(BaseModel):
     kv_events: list[str] = Field(default_factory=list, description="KV-event endpoint per engine, in order")
     upstream: str | None = Field(default=None, description="a gateway that picks the replica")
     replica_cache_tokens: int = Field(default=1_000_000, ge=0, description="per replica, for the sent view")
+    prompt_budget: bool = True
+    answer_reserve_tokens: int = Field(default=1024, ge=1)
 
     @model_validator(mode="after")
     def _check_targets(self) -> ServerConfig:
@@ -159,6 +165,10 @@ def create_app(
                             failover=config.upstream is None)
     service = ProxyService(memory or build_memory(config), dispatcher, metrics, config.cache_salt_secret)
     service.upstream = config.upstream is not None
+    http_client = getattr(dispatcher.transport, "client", None)
+    if config.prompt_budget and http_client is not None:
+        service.engine_budget = EngineBudget(http_client, targets[0], timeout_s=min(5.0, config.engine_timeout_s))
+        service.answer_reserve_tokens = config.answer_reserve_tokens
 
     @contextlib.asynccontextmanager
     async def lifespan(_: Any) -> AsyncIterator[None]:
@@ -279,7 +289,7 @@ def _install_routes(app: Any, service: ProxyService, resolve_tenant: _TenantReso
             if request.cpmemory is None and x_cpmemory_conversation is None:
                 return await _plain(service, request, tenant, started)
             turn = turn_input(request, x_cpmemory_conversation)
-            prepared = await service.prepare(tenant, turn)
+            prepared = await service.prepare(tenant, turn, request)
         except InvalidInputError as error:
             return error_response(400, "invalid_request_error", "invalid_input", str(error))
         except EngineError as error:

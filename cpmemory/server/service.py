@@ -24,11 +24,18 @@ from typing import Any, Protocol
 
 from cpmemory.core.blocks import Block, to_block
 from cpmemory.engines.openai_wire import EngineBody, engine_body, request_headers, response_text, usage_tokens
-from cpmemory.errors import EngineError, InvalidInputError, ReservationError, StoreUnavailableError
+from cpmemory.errors import (
+    EngineError,
+    InvalidInputError,
+    PromptBudgetError,
+    ReservationError,
+    StoreUnavailableError,
+)
 from cpmemory.facade import IndexEvictor
 from cpmemory.routing.dispatch import NO_HINT, Dispatcher, DispatchResult, RouteHint, StreamDispatch
 from cpmemory.routing.prefix import text_blocks
 from cpmemory.routing.router import RouteDecision, conversation_affinity_key
+from cpmemory.server.budget import MAX_REPLANS, EngineBudget, requested_answer_tokens, tighter_budget
 from cpmemory.server.metrics import ProxyMetrics
 from cpmemory.server.schemas import ChatCompletionRequest, ChatMessage
 from cpmemory.server.sse import SseCollector
@@ -156,6 +163,8 @@ class ProxyService:
         self._salt_secret = salt_secret.encode("utf-8")
         self.kv_sync: Any = None  # a KVSyncHub when the engines publish KV events (set by the app's lifespan)
         self.upstream = False  # True behind a gateway: it picks the replica, the proxy sends no routing hint
+        self.engine_budget: EngineBudget | None = None  # set by create_app (cpmemory.server.budget)
+        self.answer_reserve_tokens = 1024  # answer tokens reserved when a request gives no max_tokens
 
     async def route_hint(self, payload: Mapping[str, Any], sticky: bool, remember: bool = True) -> RouteHint:
         """The router's hint for one engine payload: its prompt blocks (engine hashes when the replicas publish KV
@@ -185,12 +194,52 @@ class ProxyService:
         client_body["model"] = request.model
         return engine_body(client_body, request_id=request_id, cache_salt=self.cache_salt(tenant), messages=messages)
 
-    async def prepare(self, tenant: str, turn: TurnInput) -> PreparedTurn:
-        """Run the facade's prepare (InvalidInputError propagates: nothing was stored)."""
+    async def prepare(
+        self, tenant: str, turn: TurnInput, request: ChatCompletionRequest | None = None
+    ) -> PreparedTurn:
+        """Run the facade's prepare (InvalidInputError propagates: nothing was stored).
+
+        With ``request`` and an engine that reports ``max_model_len``, the prompt fits ``max_model_len`` minus the
+        request's answer tokens, counted by the engine's ``/tokenize`` when it offers it (cpmemory.server.budget).
+        """
+        budget = None
+        limits = None
+        if request is not None and self.engine_budget is not None:
+            limits = await self.engine_budget.limits(request.model)
+            if limits.max_model_len is not None:
+                answer = requested_answer_tokens(request, self.answer_reserve_tokens)
+                budget = max(1, limits.max_model_len - answer)
+        prepared = await self._prepare_once(tenant, turn, budget)
+        if budget is None or limits is None or not limits.tokenize:
+            return prepared
+        return await self._fit_engine_count(tenant, turn, request, budget, prepared)
+
+    async def _prepare_once(self, tenant: str, turn: TurnInput, budget: int | None) -> PreparedTurn:
+        options: dict[str, Any] = {} if budget is None else {"max_prompt_tokens": budget}
         return await self.memory.prepare(
             turn.conversation_id, turn.query, list(turn.blocks), history=list(turn.history) if turn.history else None,
-            tenant=tenant, system_prompt=turn.system_prompt,
+            tenant=tenant, system_prompt=turn.system_prompt, **options,
         )
+
+    async def _fit_engine_count(self, tenant: str, turn: TurnInput, request: Any, budget: int, prepared: Any) -> Any:
+        """Replan (tighter) until the engine's own count of the prompt fits ``budget``; PromptBudgetError if not."""
+        assert self.engine_budget is not None
+        for _ in range(MAX_REPLANS + 1):
+            planned = getattr(prepared, "prompt_tokens", 0) or budget
+            if not self.engine_budget.should_count(request.model, planned, budget):
+                return prepared
+            count = await self.engine_budget.count(request.model, prepared.messages)
+            if count is None:
+                return prepared
+            self.engine_budget.observe(request.model, planned, count)
+            if count <= budget:
+                return prepared
+            await self.abort(prepared)
+            tighter = tighter_budget(budget, planned, count)
+            self.metrics.fallbacks.labels(kind="budget_replan").inc()
+            prepared = await self._prepare_once(tenant, turn, tighter)
+        await self.abort(prepared)
+        raise PromptBudgetError(f"the engine counts the prompt over its budget of {budget} tokens", budget)
 
     async def pass_through(self, request: ChatCompletionRequest, tenant: str) -> DispatchResult:
         """Forward a plain request to the replica of its prefix-affinity key."""
@@ -331,6 +380,7 @@ class ProxyService:
             "failovers": failovers, "decisions": decisions, "cached_tokens": cached_tokens,
             "prompt_tokens": prompt_tokens, "tokens_deduplicated": deduplicated, "degraded": degraded,
             "committed": committed, "overhead_ms": round(max(0.0, overhead_s) * 1000, 3),
+            "prompt_budget": getattr(prepared, "budget", None),
         }
 
     def _count_engine(self, decision: RouteDecision, failovers: int, usage: Any, hint: RouteHint = NO_HINT) -> None:

@@ -68,13 +68,15 @@ class MockEngine:
 
     def __init__(self, *, block_size: int = 16, capacity_blocks: int = 256, model: str = "tiny",
                  prefill_s_per_token: float = 0.0, listener: FrameListener | None = None,
-                 reply: Reply | None = None) -> None:
+                 reply: Reply | None = None, max_model_len: int = 1 << 20) -> None:
         """An empty cache of ``capacity_blocks`` blocks of ``block_size`` tokens; ``reply`` makes choice 0's
-        answer from the request body (default ``"ok"``; choice ``i > 0`` answers it followed by ``" #i"``)."""
+        answer from the request body (default ``"ok"``; choice ``i > 0`` answers it followed by ``" #i"``);
+        ``max_model_len`` is what ``/v1/models`` and ``/tokenize`` report."""
         self.reply = reply or _reply_ok
         self.hasher = BlockHasher(block_size)
         self.capacity_blocks = capacity_blocks
         self.model = model
+        self.max_model_len = max_model_len
         self.prefill_s_per_token = prefill_s_per_token
         self.listener = listener
         self.down = False
@@ -135,7 +137,7 @@ class MockEngine:
             return httpx.Response(status, json={"error": {"message": "injected failure", "code": status}})
         routes = {("POST", "/v1/chat/completions"): self._chat, ("POST", "/tokenize"): self._tokenize,
                   ("GET", "/metrics"): self._metrics, ("GET", "/health"): lambda _request: httpx.Response(200),
-                  ("POST", "/reset_prefix_cache"): self._reset}
+                  ("POST", "/reset_prefix_cache"): self._reset, ("GET", "/v1/models"): self._models}
         route = routes.get((request.method, request.url.path))
         if route is None:
             return httpx.Response(404, json={"error": {"message": "not found"}})
@@ -150,7 +152,13 @@ class MockEngine:
         else:
             text = str(body.get("prompt", ""))
         tokens = mock_tokenize(text)
-        return httpx.Response(200, json={"count": len(tokens), "tokens": tokens, "max_model_len": 1 << 20})
+        return httpx.Response(200, json={"count": len(tokens), "tokens": tokens, "max_model_len": self.max_model_len})
+
+    def _models(self, _request):
+        import httpx
+
+        return httpx.Response(200, json={"object": "list", "data": [
+            {"id": self.model, "object": "model", "max_model_len": self.max_model_len}]})
 
     def _metrics(self, _request):
         import httpx

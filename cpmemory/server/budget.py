@@ -1,0 +1,138 @@
+"""The proxy's token budget: what the engine can take, and the engine's own count of a prompt (issue 13).
+
+For each model the proxy asks the engine once (``GET /v1/models``: vLLM and SGLang report ``max_model_len``) and
+remembers whether it offers ``POST /tokenize``. A turn's budget is ``max_model_len - max_tokens`` (the request's
+``max_tokens`` / ``max_completion_tokens``, else ``ServerConfig.answer_reserve_tokens``). The facade plans the prompt
+under that budget with its counter (the default estimate); when the engine offers ``/tokenize``, the proxy then
+counts the prompt exactly as the engine will (chat template applied) and, if the engine counts more than the budget,
+plans the turn again under a budget scaled down by the ratio, up to ``MAX_REPLANS`` times; a turn that still does
+not fit is a PromptBudgetError (400, nothing stored). To spare a call per turn, a prompt is counted only when its
+planned size times the largest engine/planned ratio seen (``UNLEARNED_RATIO`` until ``LEARN_COUNTS`` prompts of the
+model were counted) times ``COUNT_SLACK`` could exceed the budget. An engine that answers neither gives no budget (the turn is
+planned as before) and is asked again after ``RETRY_AFTER_S``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+MAX_REPLANS = 3
+RETRY_AFTER_S = 60.0
+REPLAN_MARGIN = 0.97
+LEARN_COUNTS = 8
+UNLEARNED_RATIO = 2.0
+COUNT_SLACK = 1.25
+
+
+@dataclass(frozen=True, slots=True)
+class EngineLimits:
+    """What one engine said about one model.
+
+    Attributes:
+        max_model_len: the context length in tokens (None: unknown).
+        tokenize: True when ``POST /tokenize`` answered.
+        checked_at: ``time.monotonic()`` of the check.
+    """
+
+    max_model_len: int | None
+    tokenize: bool
+    checked_at: float
+
+
+def requested_answer_tokens(request: Any, default: int) -> int:
+    """The answer tokens a chat request reserves: ``max_completion_tokens`` / ``max_tokens``, else ``default``."""
+    extra = getattr(request, "model_extra", None) or {}
+    for name in ("max_completion_tokens", "max_tokens"):
+        value = extra.get(name)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return default
+
+
+def model_len(payload: Any, model: str) -> int | None:
+    """``max_model_len`` of ``model`` in a ``/v1/models`` answer (the first entry when no id matches)."""
+    entries = payload.get("data") if isinstance(payload, Mapping) else None
+    if not isinstance(entries, list) or not entries:
+        return None
+    chosen = next((e for e in entries if isinstance(e, Mapping) and e.get("id") == model), entries[0])
+    value = chosen.get("max_model_len") if isinstance(chosen, Mapping) else None
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+class EngineBudget:
+    """Per-model engine limits (cached) and exact prompt counts over an ``httpx.AsyncClient``.
+
+    Args:
+        client: the HTTP client (the proxy's engine transport's).
+        base_url: the engine (or gateway) asked for ``/v1/models`` and ``/tokenize``.
+        timeout_s: per call.
+    """
+
+    def __init__(self, client: Any, base_url: str, timeout_s: float = 5.0) -> None:
+        self._client = client
+        self._base = base_url.rstrip("/")
+        self._timeout_s = timeout_s
+        self._limits: dict[str, EngineLimits] = {}
+        self._ratio: dict[str, tuple[int, float]] = {}  # model -> (prompts counted, largest engine/planned ratio)
+
+    def should_count(self, model: str, planned: int, budget: int) -> bool:
+        """Whether the engine must count a prompt planned at ``planned`` tokens (see the module docstring)."""
+        counted, ratio = self._ratio.get(model, (0, 1.0))
+        assumed = max(ratio, UNLEARNED_RATIO) if counted < LEARN_COUNTS else max(ratio, 1.0)
+        return planned * assumed * COUNT_SLACK > budget
+
+    def observe(self, model: str, planned: int, engine_tokens: int) -> None:
+        """Remember the engine's count of a prompt planned at ``planned`` tokens."""
+        counted, ratio = self._ratio.get(model, (0, 1.0))
+        self._ratio[model] = (counted + 1, max(ratio, engine_tokens / max(1, planned)))
+
+    async def limits(self, model: str) -> EngineLimits:
+        """The engine's limits for ``model`` (asked once; again after RETRY_AFTER_S when it did not answer)."""
+        known = self._limits.get(model)
+        if known is not None and (known.max_model_len is not None or time.monotonic() - known.checked_at
+                                  < RETRY_AFTER_S):
+            return known
+        length = await self._model_len(model)
+        tokenize = length is not None and await self.count(model, [{"role": "user", "content": "ping"}]) is not None
+        limits = EngineLimits(length, tokenize, time.monotonic())
+        self._limits[model] = limits
+        return limits
+
+    async def _model_len(self, model: str) -> int | None:
+        try:
+            response = await self._client.get(f"{self._base}/v1/models", timeout=self._timeout_s)
+            return model_len(response.json(), model) if response.status_code == 200 else None
+        except Exception as error:  # noqa: BLE001 - an engine without /v1/models gives no budget
+            logger.debug("GET /v1/models failed: %s", error)
+            return None
+
+    async def count(self, model: str, messages: Sequence[Mapping[str, str]]) -> int | None:
+        """The engine's token count of a chat prompt (template applied), or None when ``/tokenize`` fails."""
+        from cpmemory.engines.client import tokenize_body
+
+        body = tokenize_body([dict(m) for m in messages], None, model)
+        try:
+            response = await self._client.post(f"{self._base}/tokenize", json=body, timeout=self._timeout_s)
+            if response.status_code != 200:
+                return None
+            payload = response.json()
+        except Exception as error:  # noqa: BLE001 - counted as "no /tokenize"
+            logger.debug("POST /tokenize failed: %s", error)
+            return None
+        count = payload.get("count") if isinstance(payload, Mapping) else None
+        if isinstance(count, int) and not isinstance(count, bool):
+            return count
+        tokens = payload.get("tokens") if isinstance(payload, Mapping) else None
+        return len(tokens) if isinstance(tokens, list) else None
+
+
+def tighter_budget(budget: int, planned_tokens: int, engine_tokens: int) -> int:
+    """The facade budget for a replan: the planned size scaled by budget / engine count, with a small margin."""
+    scaled = int(planned_tokens * budget / max(1, engine_tokens) * REPLAN_MARGIN)
+    return max(1, min(scaled, planned_tokens - 1))

@@ -1,0 +1,83 @@
+"""The proxy's token budget (issue 13): max_model_len minus max_tokens, counted by the engine's /tokenize."""
+from __future__ import annotations
+
+import random
+
+import httpx
+import pytest
+
+from cpmemory.core.invariants import check_no_loss
+from cpmemory.server.budget import EngineBudget, model_len, requested_answer_tokens, tighter_budget
+from cpmemory.server.schemas import ChatCompletionRequest
+from cpmemory.testing.mock_engine import MockEngine, mock_tokenize, render_chatml
+
+WORDS = "ledger harbor copper violet meadow signal lantern orbit quartz saddle".split()
+
+
+def body(conversation: str, question: str, blocks: list[dict], max_tokens: int = 64) -> dict:
+    return {"model": "tiny", "max_tokens": max_tokens, "messages": [{"role": "user", "content": question}],
+            "cpmemory": {"conversation_id": conversation, "blocks": blocks}}
+
+
+def engine_tokens(messages: list[dict]) -> int:
+    return len(mock_tokenize(render_chatml(messages)))
+
+
+@pytest.fixture
+async def small_proxy(make_proxy):
+    proxy = make_proxy(engine_count=1)
+    proxy.engines[0].max_model_len = 4000
+    return proxy
+
+
+async def test_every_turn_fits_the_engine_counted_by_its_tokenize(small_proxy) -> None:
+    rng = random.Random(2)
+    docs = [" ".join(rng.choice(WORDS) for _ in range(40)) for _ in range(12)]
+    for turn in range(25):
+        blocks = [{"id": f"d{i}", "text": docs[i]} for i in rng.sample(range(12), 3)]
+        response = await small_proxy.client.post("/v1/chat/completions", json=body("long", f"q{turn}", blocks))
+        assert response.status_code == 200, response.text
+        sent = small_proxy.engines[0].requests[-1]["body"]["messages"]
+        assert engine_tokens(sent) <= 4000 - 64  # the mock counts one token per byte: more than the estimate
+        assert check_no_loss(blocks, sent).ok
+        assert response.json()["cpmemory"]["prompt_budget"] <= 4000 - 64
+    metrics = (await small_proxy.client.get("/metrics")).text
+    assert 'cpmemory_fallbacks_total{kind="budget_replan"}' in metrics  # the estimate was corrected by /tokenize
+
+
+async def test_turn_that_cannot_fit_is_a_400_and_stores_nothing(small_proxy) -> None:
+    blocks = [{"id": "big", "text": "word " * 1000}]
+    response = await small_proxy.client.post("/v1/chat/completions", json=body("big", "q", blocks, max_tokens=100))
+    assert response.status_code == 400 and response.json()["error"]["code"] == "invalid_input"
+    state = await small_proxy.service.memory.state("big")
+    assert (state.turns, state.open_reservations) == (0, 0)
+
+
+async def test_engine_without_models_endpoint_gives_no_budget(make_proxy) -> None:
+    proxy = make_proxy(engine_count=1)
+    proxy.engines[0]._models = lambda request: httpx.Response(404)  # an engine that does not say
+    blocks = [{"id": "a", "text": "word " * 2000}]
+    response = await proxy.client.post("/v1/chat/completions", json=body("x", "q", blocks))
+    assert response.status_code == 200 and response.json()["cpmemory"]["committed"]
+
+
+def test_helpers() -> None:
+    request = ChatCompletionRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": "x"}],
+                                                    "max_completion_tokens": 300, "max_tokens": 10})
+    assert requested_answer_tokens(request, 1024) == 300
+    plain = ChatCompletionRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": "x"}]})
+    assert requested_answer_tokens(plain, 1024) == 1024
+    assert model_len({"data": [{"id": "a", "max_model_len": 10}, {"id": "m", "max_model_len": 99}]}, "m") == 99
+    assert model_len({"data": []}, "m") is None and model_len({"data": [{"id": "m"}]}, "m") is None
+    assert tighter_budget(1000, 900, 1800) <= 900 * 1000 // 1800
+    assert 0 < tighter_budget(1000, 2, 10**6) <= 1
+
+
+async def test_engine_budget_counts_with_tokenize() -> None:
+    engine = MockEngine(max_model_len=5000)
+    async with httpx.AsyncClient(transport=engine.transport()) as client:
+        budget = EngineBudget(client, "http://engine")
+        limits = await budget.limits("tiny")
+        assert limits.max_model_len == 5000 and limits.tokenize
+        messages = [{"role": "user", "content": "hello"}]
+        assert await budget.count("tiny", messages) == engine_tokens(messages)
