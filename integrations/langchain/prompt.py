@@ -60,6 +60,7 @@ class CpMemoryPromptRunnable(TurnKeeper, Runnable[Mapping[str, Any], list[BaseMe
         id_key: the metadata key holding a Document's id when ``Document.id`` is unset.
         tenant: the cpmemory tenant.
         system_prompt: placed first in the messages.
+        max_prompt_tokens: the token budget of the prompts prepared here (None: the facade's own).
     """
 
     def __init__(
@@ -71,6 +72,7 @@ class CpMemoryPromptRunnable(TurnKeeper, Runnable[Mapping[str, Any], list[BaseMe
         id_key: str = "id",
         tenant: str = "default",
         system_prompt: str | None = None,
+        max_prompt_tokens: int | None = None,
     ) -> None:
         if memory is None:
             from cpmemory.facade import CpMemory
@@ -82,6 +84,7 @@ class CpMemoryPromptRunnable(TurnKeeper, Runnable[Mapping[str, Any], list[BaseMe
         self.id_key = id_key
         self.tenant = tenant
         self.system_prompt = system_prompt
+        self.max_prompt_tokens = max_prompt_tokens
 
     def _reusable(self, parsed: PromptInput, conversation: str | None) -> Any | None:
         """The retriever's pending turn when ``parsed`` carries exactly its documents (same ids and texts, in any
@@ -119,6 +122,8 @@ class CpMemoryPromptRunnable(TurnKeeper, Runnable[Mapping[str, Any], list[BaseMe
             "tenant": self.tenant,
             "system_prompt": self.system_prompt,
         }
+        if self.max_prompt_tokens is not None:
+            options["max_prompt_tokens"] = self.max_prompt_tokens
         return assignment, options
 
     def _passthrough(self, parsed: PromptInput) -> list[BaseMessage]:

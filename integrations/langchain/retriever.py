@@ -54,6 +54,7 @@ class CpMemoryRetriever(TurnKeeper, BaseRetriever):
         id_key: the metadata key holding a Document's id when ``Document.id`` is unset.
         tenant: the cpmemory tenant of this retriever's conversations.
         system_prompt: placed first in every prepared turn's messages.
+        max_prompt_tokens: the token budget of every prepared turn's prompt (None: the facade's own).
     """
 
     model_config = ConfigDict(arbitrary_types_allowed=True)
@@ -64,6 +65,7 @@ class CpMemoryRetriever(TurnKeeper, BaseRetriever):
     id_key: str = "id"
     tenant: str = "default"
     system_prompt: str | None = None
+    max_prompt_tokens: int | None = None
     _pending: PendingTurns = PrivateAttr(default_factory=PendingTurns)
 
     def invoke(self, input: str, config: RunnableConfig | None = None, **kwargs: Any) -> list[Document]:
@@ -114,7 +116,10 @@ class CpMemoryRetriever(TurnKeeper, BaseRetriever):
         return annotate_prepared(documents, assignment, turn)
 
     def _options(self) -> dict[str, Any]:
-        return {"tenant": self.tenant, "system_prompt": self.system_prompt}
+        options: dict[str, Any] = {"tenant": self.tenant, "system_prompt": self.system_prompt}
+        if self.max_prompt_tokens is not None:
+            options["max_prompt_tokens"] = self.max_prompt_tokens
+        return options
 
     def _passthrough(self, documents: Sequence[Document], assignment: Any) -> list[Document]:
         warnings.warn(
@@ -144,4 +149,5 @@ class CpMemoryRetriever(TurnKeeper, BaseRetriever):
             id_key=self.id_key,
             tenant=self.tenant,
             system_prompt=self.system_prompt,
+            max_prompt_tokens=self.max_prompt_tokens,
         )

@@ -53,11 +53,14 @@ class PassthroughTurn:
 class _Mem0Adapter:
     """What the sync and async wrappers share: arguments, conversation id, result assembly. No IO."""
 
-    def __init__(self, memory: Any, cpmemory: Any, *, tenant: str, system_prompt: str | None) -> None:
+    def __init__(
+        self, memory: Any, cpmemory: Any, *, tenant: str, system_prompt: str | None, max_prompt_tokens: int | None
+    ) -> None:
         self._memory = memory
         self._cpmemory = cpmemory
         self._tenant = tenant
         self._system_prompt = system_prompt
+        self._max_prompt_tokens = max_prompt_tokens
         self._pending = PendingTurns()
 
     @property
@@ -116,8 +119,14 @@ class _Mem0Adapter:
         self._pending.put(_PASSTHROUGH_KEY, PassthroughTurn(messages))
         return assemble_passthrough(parsed, NO_CONVERSATION_REASON)
 
-    def _prepare_kwargs(self, history: Sequence[Mapping[str, str]] | None) -> dict[str, Any]:
-        return {"history": history, "tenant": self._tenant, "system_prompt": self._system_prompt}
+    def _prepare_kwargs(
+        self, history: Sequence[Mapping[str, str]] | None, max_prompt_tokens: int | None = None
+    ) -> dict[str, Any]:
+        kwargs: dict[str, Any] = {"history": history, "tenant": self._tenant, "system_prompt": self._system_prompt}
+        budget = max_prompt_tokens if max_prompt_tokens is not None else self._max_prompt_tokens
+        if budget is not None:
+            kwargs["max_prompt_tokens"] = budget
+        return kwargs
 
     def chat_messages(self, conversation_id: str | None = None) -> list[dict[str, str]]:
         """Return the chat messages of the conversation's pending turn (prepared by the last ``search``).
@@ -187,16 +196,26 @@ class CpMemoryMem0(_Mem0Adapter):
         cpmemory: a ``cpmemory.CpMemory``; None builds one with the in-memory session store.
         tenant: the cpmemory tenant this wrapper's conversations belong to.
         system_prompt: an optional system prompt placed first in every turn's messages.
+        max_prompt_tokens: the token budget of every prepared turn's prompt (None: the facade's
+            ``CpMemoryConfig.max_prompt_tokens``); ``search(max_prompt_tokens=...)`` overrides it per call.
     """
 
     def __init__(
-        self, memory: Any, cpmemory: Any = None, *, tenant: str = "default", system_prompt: str | None = None
+        self,
+        memory: Any,
+        cpmemory: Any = None,
+        *,
+        tenant: str = "default",
+        system_prompt: str | None = None,
+        max_prompt_tokens: int | None = None,
     ) -> None:
         if cpmemory is None:
             from cpmemory.facade import CpMemory
 
             cpmemory = CpMemory()
-        super().__init__(memory, cpmemory, tenant=tenant, system_prompt=system_prompt)
+        super().__init__(
+            memory, cpmemory, tenant=tenant, system_prompt=system_prompt, max_prompt_tokens=max_prompt_tokens
+        )
 
     def search(
         self,
@@ -211,6 +230,7 @@ class CpMemoryMem0(_Mem0Adapter):
         rerank: bool | None = None,
         conversation_id: str | None = None,
         history: Sequence[Mapping[str, str]] | None = None,
+        max_prompt_tokens: int | None = None,
         **options: Any,
     ) -> dict[str, Any] | list[dict[str, Any]]:
         """Search Mem0, then reorder / de-duplicate the results for this conversation's turn.
@@ -232,7 +252,7 @@ class CpMemoryMem0(_Mem0Adapter):
         if conversation is None:
             return self._passthrough(query, parsed, history)
         turn = self._cpmemory.prepare(
-            conversation, query, list(parsed.blocks), **self._prepare_kwargs(history)
+            conversation, query, list(parsed.blocks), **self._prepare_kwargs(history, max_prompt_tokens)
         )
         replaced = self._pending.put(conversation, turn)
         if replaced is not None:
@@ -311,16 +331,26 @@ class AsyncCpMemoryMem0(_Mem0Adapter):
         cpmemory: a ``cpmemory.AsyncCpMemory``; None builds one with the in-memory session store.
         tenant: the cpmemory tenant this wrapper's conversations belong to.
         system_prompt: an optional system prompt placed first in every turn's messages.
+        max_prompt_tokens: the token budget of every prepared turn's prompt (None: the facade's
+            ``CpMemoryConfig.max_prompt_tokens``); ``search(max_prompt_tokens=...)`` overrides it per call.
     """
 
     def __init__(
-        self, memory: Any, cpmemory: Any = None, *, tenant: str = "default", system_prompt: str | None = None
+        self,
+        memory: Any,
+        cpmemory: Any = None,
+        *,
+        tenant: str = "default",
+        system_prompt: str | None = None,
+        max_prompt_tokens: int | None = None,
     ) -> None:
         if cpmemory is None:
             from cpmemory.facade import AsyncCpMemory
 
             cpmemory = AsyncCpMemory()
-        super().__init__(memory, cpmemory, tenant=tenant, system_prompt=system_prompt)
+        super().__init__(
+            memory, cpmemory, tenant=tenant, system_prompt=system_prompt, max_prompt_tokens=max_prompt_tokens
+        )
 
     async def search(
         self,
@@ -335,6 +365,7 @@ class AsyncCpMemoryMem0(_Mem0Adapter):
         rerank: bool | None = None,
         conversation_id: str | None = None,
         history: Sequence[Mapping[str, str]] | None = None,
+        max_prompt_tokens: int | None = None,
         **options: Any,
     ) -> dict[str, Any] | list[dict[str, Any]]:
         """Async :meth:`CpMemoryMem0.search` (same arguments, result and errors)."""
@@ -346,7 +377,7 @@ class AsyncCpMemoryMem0(_Mem0Adapter):
         if conversation is None:
             return self._passthrough(query, parsed, history)
         blocks: list[Block] = list(parsed.blocks)
-        turn = await self._cpmemory.prepare(conversation, query, blocks, **self._prepare_kwargs(history))
+        turn = await self._cpmemory.prepare(conversation, query, blocks, **self._prepare_kwargs(history, max_prompt_tokens))
         replaced = self._pending.put(conversation, turn)
         if replaced is not None:
             await self._cpmemory.abort(replaced)

@@ -30,6 +30,8 @@ def test_langgraph_rag_example(capsys: pytest.CaptureFixture[str]) -> None:
     assert totals["tokens_referenced"] > 0 and totals["tokens_full"] > 0
     assert "is shown earlier in this conversation" in out
     assert f"{2 * len(example.QUESTIONS)} messages kept by the checkpointer" in out
+    assert totals["over_budget"] == 0 and 0 < totals["prompt_tokens_max"] <= example.BUDGET
+    assert f"token budget: {example.BUDGET} per prompt" in out
 
 
 def test_mem0_chat_example_on_locomo(capsys: pytest.CaptureFixture[str]) -> None:
@@ -48,6 +50,7 @@ def test_mem0_chat_example_on_locomo(capsys: pytest.CaptureFixture[str]) -> None
     assert totals["full"] + totals["referenced"] == totals["memories"]
     assert totals["referenced"] > 0 and totals["memory_tokens_referenced"] > 0
     assert "sent in full" in out
+    assert totals["budget"] == 8000 and totals["over_budget"] == 0 and "token budget: 8000" in out
     args = ["--data-dir", str(DATA), "--sessions", "2", "--questions", "4", "--top-k", "6", "--json"]
     assert example.main([*args, "--history-turns", "1"]) == 0
     windowed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])

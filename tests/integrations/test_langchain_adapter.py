@@ -253,3 +253,25 @@ def test_passthrough_prompt_uses_the_facades_system_prompt() -> None:
     with pytest.warns(PassthroughWarning):
         messages = CpMemoryPromptRunnable(memory).invoke({"documents": [], "question": "q"})
     assert isinstance(messages[0], SystemMessage) and messages[0].content == memory.config.system_prompt
+
+
+def test_budget_passes_through_retriever_and_prompt_runnable() -> None:
+    from cpmemory.session.budget import estimate_tokens
+
+    retriever = CpMemoryRetriever(
+        retriever=_store().as_retriever(search_kwargs={"k": 3}), memory=CpMemory(), max_prompt_tokens=300
+    )
+    sizes = []
+    for turn in range(6):
+        documents = retriever.invoke(f"Paris question {turn}", _thread("budget"))
+        turn_prepared = retriever.pending.get("budget")
+        assert turn_prepared.budget == 300
+        sizes.append(sum(estimate_tokens(m["content"]) + 8 for m in turn_prepared.messages))
+        assert check_no_loss(_blocks(documents), turn_prepared.messages).ok
+        retriever.commit("An answer about Paris and its river.", _thread("budget"))
+    assert max(sizes) <= 300
+    prompt = retriever.prompt()
+    assert prompt.max_prompt_tokens == 300
+    given = [HumanMessage(content="earlier " * 200), AIMessage(content="ok")]
+    messages = prompt.invoke({"documents": documents, "question": "q", "history": given}, _thread("budget"))
+    assert sum(estimate_tokens(str(m.content)) + 8 for m in messages) <= 300

@@ -249,3 +249,18 @@ async def test_async_hosted_client_bare_list() -> None:
     assert await wrapper.commit("noted", conversation_id="trip") == 1
     second = await wrapper.search("food", user_id="alex", conversation_id="trip")
     assert {item["cpmemory"]["status"] for item in second} == {"referenced"}
+
+
+def test_budget_is_passed_through_and_every_prompt_fits(mem0_memory: Any) -> None:
+    from cpmemory.session.budget import estimate_tokens
+
+    wrapper = CpMemoryMem0(mem0_memory, CpMemory(), max_prompt_tokens=600)
+    _add_facts(wrapper)
+    for turn in range(6):
+        wrapper.search(f"Caroline {turn}", user_id="caroline", conversation_id="budget", threshold=0.0)
+        pending = wrapper.pending_turn("budget")
+        assert pending.budget == 600
+        assert sum(estimate_tokens(m["content"]) + 8 for m in wrapper.chat_messages("budget")) <= 600
+        wrapper.commit("Caroline's plans, in a sentence or two of answer text.", conversation_id="budget")
+    wrapper.search("Melanie", user_id="caroline", conversation_id="budget", threshold=0.0, max_prompt_tokens=500)
+    assert wrapper.pending_turn("budget").budget == 500
