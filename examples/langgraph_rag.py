@@ -87,10 +87,9 @@ def run(thread_id: str = "visitor-1", budget: int | None = BUDGET) -> dict[str, 
 
     from cpmemory.bench.tokenizer import count_tokens
     from cpmemory.facade import CpMemory
+    from cpmemory.session.budget import MESSAGE_OVERHEAD_TOKENS, estimate_tokens
     from integrations.langchain import CpMemoryRetriever
     from integrations.langchain.graph import build_rag_graph
-
-    from cpmemory.session.budget import MESSAGE_OVERHEAD_TOKENS, estimate_tokens
 
     retriever = CpMemoryRetriever(retriever=keyword_retriever(), memory=CpMemory(), max_prompt_tokens=budget)
     model = GenericFakeChatModel(messages=iter(AIMessage(content=answer) for answer in ANSWERS))

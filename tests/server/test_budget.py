@@ -11,7 +11,7 @@ from cpmemory.server.budget import EngineBudget, model_len, requested_answer_tok
 from cpmemory.server.schemas import ChatCompletionRequest
 from cpmemory.testing.mock_engine import MockEngine, mock_tokenize, render_chatml
 
-WORDS = "ledger harbor copper violet meadow signal lantern orbit quartz saddle".split()
+WORDS = ["ledger", "harbor", "copper", "violet", "meadow", "signal", "lantern", "orbit", "quartz", "saddle"]
 
 
 def body(conversation: str, question: str, blocks: list[dict], max_tokens: int = 64) -> dict:

@@ -9,6 +9,7 @@ import pytest
 
 from cpmemory.core.invariants import check_no_loss
 from cpmemory.facade import AsyncCpMemory, CpMemory
+from cpmemory.session.config import CpMemoryConfig
 from cpmemory.stores.redis_store import AsyncRedisSessionStore, RedisSessionStore, RedisStoreConfig
 
 pytestmark = pytest.mark.redis
@@ -89,7 +90,6 @@ def test_async_facade_on_redis(real_redis: str, config: RedisStoreConfig) -> Non
 def test_history_window_on_redis_resends_blocks_of_dropped_turns(
     real_redis: str, config: RedisStoreConfig
 ) -> None:
-    from cpmemory.session.config import CpMemoryConfig
 
     mem = CpMemory(
         store=RedisSessionStore.from_url(real_redis, config), config=CpMemoryConfig(max_history_turns=2)
@@ -110,3 +110,43 @@ def test_history_window_on_redis_resends_blocks_of_dropped_turns(
         if expected != "referenced":
             last_full["doc-0"] = number
         assert mem.commit(turn, f"answer {number}") == number
+
+
+def test_budget_on_redis_keeps_only_the_window_and_every_prompt_fits(
+    real_redis: str, config: RedisStoreConfig
+) -> None:
+    import random
+
+    from cpmemory.core.invariants import check_no_loss
+    from cpmemory.session.budget import estimate_tokens
+
+    mem = CpMemory(store=RedisSessionStore.from_url(real_redis, config), config=CpMemoryConfig(max_prompt_tokens=1500))
+    rng = random.Random(7)
+    docs = [" ".join(rng.choice(["amber", "basalt", "cobalt", "dune", "ember"]) for _ in range(50)) for _ in range(20)]
+    conversation = f"budget-{rng.random()}"
+    for turn in range(40):
+        blocks = [{"id": f"d{i}", "text": docs[i]} for i in rng.sample(range(20), 3)]
+        prepared = mem.prepare(conversation, f"q{turn}", blocks)
+        assert sum(estimate_tokens(m["content"]) + 8 for m in prepared.messages) <= 1500
+        assert check_no_loss(blocks, prepared.messages).ok
+        mem.commit(prepared, "answer " * 30)
+        state = mem.state(conversation)
+        stored_turns = len(state.search_paths)
+        assert stored_turns == len(state.transcript) // 2 == state.turns - prepared.dropped_turns
+        assert all(seen.turn > prepared.dropped_turns for seen in state.seen.values())
+    assert prepared.dropped_turns > 20  # the window restarted many times; the store kept only the window
+
+
+async def test_async_facade_with_a_budget_on_redis(real_redis: str, config: RedisStoreConfig) -> None:
+    from cpmemory.errors import PromptBudgetError
+
+    store = AsyncRedisSessionStore.from_url(real_redis, config)
+    mem = AsyncCpMemory(store=store, config=CpMemoryConfig(max_prompt_tokens=400))
+    for turn in range(10):
+        prepared = await mem.prepare("async-budget", f"q{turn}", [{"id": f"b{turn % 3}", "text": "text " * 40}])
+        assert prepared.prompt_tokens <= 400 and prepared.budget == 400
+        await mem.commit(prepared, "answer " * 20)
+    with pytest.raises(PromptBudgetError):
+        await mem.prepare("async-budget", "q", [{"id": "huge", "text": "text " * 500}])
+    assert (await mem.state("async-budget")).open_reservations == 0
+    await store.close()
