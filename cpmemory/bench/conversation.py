@@ -14,6 +14,14 @@ rendering). The same conversation is replayed, on the in-memory store, with a **
 (``history_window="sliding"``: the prefix changes on every turn) and with the **turn window**
 (``max_history_turns``, no budget) to compare prefill. ``redis_bytes_per_conversation`` is the largest
 ``MEMORY USAGE`` sum of the conversation's keys sampled every 100 turns (null on the memory backend).
+
+Latency ratio under a shared machine's load: during the last 100 turns a *fresh* conversation replays the same
+workload from its first turn, one of its turns right before each of the long conversation's (same facade, store and
+tenant), and each prepare of that phase is timed as the fastest of three (two are aborted: the stored state stays as
+it was). ``p50_first_ms`` is the p50 of those first 100 turns, ``p50_last_ms`` the p50 of the long conversation's
+last 100, measured side by side in the same seconds, so ``p50_last_over_first`` shows what 900 turns of history
+cost and not what other processes did meanwhile; ``p50_first_sequential_ms`` (and ``bands``) keep the plain
+sequential timings. The fresh conversation's prompts are checked (budget, no-loss) like the others.
 """
 
 from __future__ import annotations
@@ -47,6 +55,7 @@ MEMORY_CHARS = 500
 ANSWER_CHARS = 300
 BAND = 100
 SIMULATOR_CAPACITY = 2_000_000
+PAIRED_TRIES = 3
 _SYLLABLES = ("ka", "lo", "mi", "ne", "ru", "sa", "to", "vi", "de", "po", "an", "el", "or", "is", "un", "ba")
 
 
@@ -98,24 +107,66 @@ class RunStats:
     no_loss_violations: int = 0
     restarts: int = 0
     redis_bytes: list[int] = field(default_factory=list)
+    paired_first_ms: list[float] = field(default_factory=list)  # a fresh conversation's first turns (see replay)
+
+
+def _timed_prepare(mem: CpMemory, conversation: str, turn: Turn) -> tuple[Any, float]:
+    started = time.perf_counter()
+    prepared = mem.prepare(conversation, turn.query, list(turn.blocks))
+    return prepared, (time.perf_counter() - started) * 1000
+
+
+def _best_prepare(mem: CpMemory, conversation: str, turn: Turn, tries: int) -> tuple[Any, float]:
+    """Prepare ``tries`` times (aborting all but the last; an abort leaves the stored state as it was) and return
+    the last prepared turn with the fastest of the timings: one preemption by a neighbour process does not count."""
+    best = math.inf
+    for _ in range(tries - 1):
+        prepared, elapsed = _timed_prepare(mem, conversation, turn)
+        mem.abort(prepared)
+        best = min(best, elapsed)
+    prepared, elapsed = _timed_prepare(mem, conversation, turn)
+    return prepared, min(best, elapsed)
+
+
+def _check_turn(stats: RunStats, turn: Turn, prepared: Any, budget: int | None, check: bool) -> int:
+    """Count the prompt's tokens (budget counter), over-budget and no-loss; return the tokens."""
+    tokens = sum(estimate_tokens(m["content"]) + MESSAGE_OVERHEAD_TOKENS for m in prepared.messages)
+    stats.over_budget += int(budget is not None and tokens > budget)
+    if check and not check_no_loss(turn.blocks, prepared.messages).ok:
+        stats.no_loss_violations += 1
+    return tokens
 
 
 def replay(mem: CpMemory, workload: list[Turn], budget: int | None, *, check: bool = True,
-           sample_bytes: Callable[[str], int] | None = None) -> RunStats:
-    """Run the conversation through ``mem``; measure every turn (see the module docstring)."""
+           sample_bytes: Callable[[str], int] | None = None, paired: bool = False) -> RunStats:
+    """Run the conversation through ``mem``; measure every turn (see the module docstring).
+
+    Args:
+        paired: during the last ``BAND`` turns, also run a fresh conversation of the same workload from its first
+            turn, one of its turns before each of the long conversation's (same facade, store and tenant), and
+            time its prepares (``paired_first_ms``): the first and the last band are then measured under the same
+            machine load, so their ratio shows what the conversation's length costs, not what the neighbours do;
+            in that phase each prepare of both conversations is timed as the fastest of ``PAIRED_TRIES``.
+    """
     stats = RunStats()
     simulator = PrefixCacheSimulator(SIMULATOR_CAPACITY)
     conversation = f"conv-{uuid.uuid4().hex[:8]}"
+    fresh = f"fresh-{uuid.uuid4().hex[:8]}"
+    pair_from = len(workload) - BAND if paired and len(workload) > BAND else len(workload)
     dropped = 0
     for number, turn in enumerate(workload):
-        started = time.perf_counter()
-        prepared = mem.prepare(conversation, turn.query, list(turn.blocks))
-        stats.prepare_ms.append((time.perf_counter() - started) * 1000)
-        tokens = sum(estimate_tokens(m["content"]) + MESSAGE_OVERHEAD_TOKENS for m in prepared.messages)
-        stats.prompt_tokens.append(tokens)
-        stats.over_budget += int(budget is not None and tokens > budget)
-        if check and not check_no_loss(turn.blocks, prepared.messages).ok:
-            stats.no_loss_violations += 1
+        if number >= pair_from:
+            early = workload[number - pair_from]
+            first, elapsed = _best_prepare(mem, fresh, early, PAIRED_TRIES)
+            stats.paired_first_ms.append(elapsed)
+            _check_turn(stats, early, first, budget, check)
+            mem.commit(first, early.answer)
+        if number >= pair_from:
+            prepared, elapsed = _best_prepare(mem, conversation, turn, PAIRED_TRIES)
+        else:
+            prepared, elapsed = _timed_prepare(mem, conversation, turn)
+        stats.prepare_ms.append(elapsed)
+        stats.prompt_tokens.append(_check_turn(stats, turn, prepared, budget, check))
         prompt = tokenize_chat(prepared.messages)
         stats.prefill.append(len(prompt) - simulator.run(prompt))
         stats.restarts += int(prepared.dropped_turns != dropped)
@@ -187,7 +238,7 @@ def run(turns: int, budget: int | None, backend: str, redis_url: str, turn_windo
     config = CpMemoryConfig(max_prompt_tokens=budget)
     with _store(backend, redis_url) as (store, usage):
         progress(f"cpmemory ({backend}, budget {budget})")
-        main = replay(CpMemory(store=store, config=config), workload, budget, sample_bytes=usage)
+        main = replay(CpMemory(store=store, config=config), workload, budget, sample_bytes=usage, paired=True)
     sliding = None
     if budget is not None:
         progress("sliding window of the same budget (memory store)")
@@ -202,7 +253,8 @@ def summarise(main: RunStats, sliding: RunStats | None, windowed: RunStats, turn
               backend: str, turn_window: int) -> dict[str, Any]:
     """The JSON summary (keys of issue 13 first)."""
     table = bands(main)
-    first, last = table[0]["prepare_p50_ms"], table[-1]["prepare_p50_ms"]
+    last = table[-1]["prepare_p50_ms"]
+    first = round(_quantile(main.paired_first_ms, 0.5), 3) if main.paired_first_ms else table[0]["prepare_p50_ms"]
     prefill = sum(main.prefill)
     sliding_prefill = sum(sliding.prefill) if sliding else None
     return {
@@ -218,6 +270,8 @@ def summarise(main: RunStats, sliding: RunStats | None, windowed: RunStats, turn
         "prefill_vs_sliding": round(prefill / sliding_prefill, 3) if sliding_prefill else None,
         "redis_bytes_per_conversation": max(main.redis_bytes) if main.redis_bytes else None,
         "redis_bytes_samples": main.redis_bytes,
+        "p50_first_sequential_ms": table[0]["prepare_p50_ms"],
+        "p50_first_how": "paired" if main.paired_first_ms else "sequential",
         "prefill_turn_window_tokens": sum(windowed.prefill),
         "prefill_vs_turn_window": round(prefill / sum(windowed.prefill), 3) if sum(windowed.prefill) else None,
         "turn_window": turn_window,
@@ -260,7 +314,7 @@ def plot(summary: dict[str, Any], path: Path) -> None:
     axes[2].legend()
     figure.suptitle(f"{summary['turns']} turns, budget {summary['budget']}, {summary['backend']} store")
     figure.tight_layout()
-    figure.savefig(path, dpi=110)
+    figure.savefig(path, dpi=80)
     plt.close(figure)
 
 
