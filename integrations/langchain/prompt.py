@@ -22,10 +22,12 @@ Which prompt is built:
 
 from __future__ import annotations
 
+import threading
 import warnings
 from collections.abc import Mapping
 from typing import Any
 
+from langchain_core.documents import Document
 from langchain_core.messages import BaseMessage
 from langchain_core.runnables import Runnable, RunnableConfig
 from langchain_core.runnables.config import ensure_config
@@ -40,6 +42,7 @@ from integrations._common import (
 from integrations.langchain.documents import (
     METADATA_KEY,
     PromptInput,
+    annotate_prepared,
     conversation_from_config,
     dicts_to_messages,
     documents_to_blocks,
@@ -48,6 +51,10 @@ from integrations.langchain.documents import (
     same_documents,
 )
 from integrations.langchain.turns import DEFAULT_CONVERSATION_KEY, TurnKeeper, acall_facade, call_facade
+
+
+SENT_DOCUMENTS_KEPT = 1024
+"""Conversations whose last prompt's documents :meth:`CpMemoryPromptRunnable.sent_documents` keeps (oldest dropped)."""
 
 
 class CpMemoryPromptRunnable(TurnKeeper, Runnable[Mapping[str, Any], list[BaseMessage]]):
@@ -80,6 +87,8 @@ class CpMemoryPromptRunnable(TurnKeeper, Runnable[Mapping[str, Any], list[BaseMe
             memory = CpMemory()
         self.memory = memory
         self._pending = pending if pending is not None else PendingTurns()
+        self._sent: dict[str, list[Document]] = {}
+        self._sent_lock = threading.Lock()
         self.conversation_key = conversation_key
         self.id_key = id_key
         self.tenant = tenant
@@ -110,10 +119,34 @@ class CpMemoryPromptRunnable(TurnKeeper, Runnable[Mapping[str, Any], list[BaseMe
         conversation = conversation_from_config(ensure_config(config), self.conversation_key)
         return parsed, conversation, self._reusable(parsed, conversation)
 
-    def _prepare_call(self, parsed: PromptInput, conversation: str) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        """Positional and keyword arguments of the facade's ``prepare`` for this input."""
+    def _prepare_call(
+        self, parsed: PromptInput, conversation: str
+    ) -> tuple[tuple[Any, ...], dict[str, Any], Any]:
+        """Positional and keyword arguments of the facade's ``prepare`` for this input, and the block assignment."""
         assignment, options = self._arguments(parsed)
-        return (conversation, parsed.question, list(assignment.blocks)), options
+        return (conversation, parsed.question, list(assignment.blocks)), options, assignment
+
+    def _note_sent(self, conversation: str, parsed: PromptInput, turn: Any, assignment: Any | None) -> None:
+        """Remember which documents the conversation's prompt was built from, annotated with what was sent."""
+        if assignment is None:  # the retriever's turn, reused: its annotations describe this prompt
+            documents = list(parsed.documents)
+        else:
+            documents = annotate_prepared(relevance_order(parsed.documents), assignment, turn)
+        with self._sent_lock:
+            self._sent.pop(conversation, None)
+            self._sent[conversation] = documents
+            while len(self._sent) > SENT_DOCUMENTS_KEPT:
+                self._sent.pop(next(iter(self._sent)))
+
+    def sent_documents(
+        self, config: RunnableConfig | None = None, *, conversation_id: str | None = None
+    ) -> list[Document]:
+        """The documents the conversation's last prompt was built from, in prompt order, each with
+        ``metadata["cpmemory"]`` describing what was sent (a retriever's Documents changed by a compressor or a
+        filter before the prompt no longer describe it: the prompt was prepared again). Empty when none."""
+        conversation = conversation_id or self.conversation_id(config)
+        with self._sent_lock:
+            return list(self._sent.get(conversation or "", []))
 
     def _arguments(self, parsed: PromptInput) -> tuple[Any, dict[str, Any]]:
         assignment = documents_to_blocks(relevance_order(parsed.documents), self.id_key)
@@ -150,11 +183,14 @@ class CpMemoryPromptRunnable(TurnKeeper, Runnable[Mapping[str, Any], list[BaseMe
         if turn is None:
             if conversation is None:
                 return self._passthrough(parsed)
-            args, options = self._prepare_call(parsed, conversation)
+            args, options, assignment = self._prepare_call(parsed, conversation)
             turn = call_facade(self.memory, "prepare", *args, **options)
             stale = self._replace(conversation, turn)
             if stale is not None:
                 call_facade(self.memory, "abort", stale)
+            self._note_sent(conversation, parsed, turn, assignment)
+        elif conversation is not None:
+            self._note_sent(conversation, parsed, turn, None)
         return dicts_to_messages(turn.messages)
 
     async def ainvoke(
@@ -165,9 +201,12 @@ class CpMemoryPromptRunnable(TurnKeeper, Runnable[Mapping[str, Any], list[BaseMe
         if turn is None:
             if conversation is None:
                 return self._passthrough(parsed)
-            args, options = self._prepare_call(parsed, conversation)
+            args, options, assignment = self._prepare_call(parsed, conversation)
             turn = await acall_facade(self.memory, "prepare", *args, **options)
             stale = self._replace(conversation, turn)
             if stale is not None:
                 await acall_facade(self.memory, "abort", stale)
+            self._note_sent(conversation, parsed, turn, assignment)
+        elif conversation is not None:
+            self._note_sent(conversation, parsed, turn, None)
         return dicts_to_messages(turn.messages)

@@ -17,8 +17,8 @@ Rules for odd items (none of them ever drops a memory silently):
   no text to send.
 * the same id twice with the same text  -> the later item is kept with status ``"duplicate"`` and
   ``duplicate_of`` (the rank of the first); its text reaches the prompt through the first.
-* the same id twice with different texts  -> both are sent: the later one gets the id ``"<id>#<rank>"`` and
-  ``cpmemory.id_collision = True``.
+* the same id twice with different texts  -> both are sent: the later one gets a free id ``"<id>#<hex>"``
+  (``cpmemory.core.blocks.resolve_blocks``, never an id another result uses) and ``cpmemory.id_collision = True``.
 """
 
 from __future__ import annotations

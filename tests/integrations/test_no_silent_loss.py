@@ -76,10 +76,16 @@ def test_item3_prompt_builds_from_the_documents_it_is_given() -> None:
     config = _thread("t3")
     docs = retriever.invoke("Paris", config)
     compressed = docs[0].model_copy(update={"page_content": "Paris (compressed)."})
-    messages = retriever.prompt().invoke({"documents": [compressed], "question": "Paris"}, config)
+    prompt = retriever.prompt()
+    messages = prompt.invoke({"documents": [compressed], "question": "Paris"}, config)
     text = messages[-1].content
     assert "Paris (compressed)." in text and docs[1].page_content not in text
     assert check_no_loss([("d", "Paris (compressed).")], convert_to_openai_messages(messages)).ok
+    sent = prompt.sent_documents(config)  # metadata reports what was actually sent
+    assert [d.page_content for d in sent] == ["Paris (compressed)."]
+    turn = retriever.pending.get("t3")
+    assert sent[0].metadata["cpmemory"]["reservation_id"] == turn.reservation_id
+    assert sent[0].metadata["cpmemory"]["status"] == "new"
     assert retriever.commit("answer", config) == 1
 
 
