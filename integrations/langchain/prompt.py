@@ -52,7 +52,6 @@ from integrations.langchain.documents import (
 )
 from integrations.langchain.turns import DEFAULT_CONVERSATION_KEY, TurnKeeper, acall_facade, call_facade
 
-
 SENT_DOCUMENTS_KEPT = 1024
 """Conversations whose last prompt's documents :meth:`CpMemoryPromptRunnable.sent_documents` keeps (oldest dropped)."""
 

@@ -20,6 +20,7 @@ from langchain_core.callbacks import CallbackManagerForRetrieverRun
 from langchain_core.documents import Document
 from langchain_core.messages import convert_to_messages, convert_to_openai_messages
 from langchain_core.retrievers import BaseRetriever
+from pydantic import Field
 
 from cpmemory.core.invariants import check_no_loss
 from cpmemory.facade import CpMemory
@@ -75,7 +76,7 @@ def test_mem0_adapter_loses_nothing(steps: list[tuple[list[dict[str, Any]], bool
 class ListRetriever(BaseRetriever):
     """Returns the documents it holds, whatever the query."""
 
-    documents: list[Document] = []
+    documents: list[Document] = Field(default_factory=list)
 
     def _get_relevant_documents(self, query: str, *, run_manager: CallbackManagerForRetrieverRun) -> list[Document]:
         return list(self.documents)

@@ -13,7 +13,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cpmemory.core.invariants import check_no_loss
-from cpmemory.testing.mock_engine import MockEngine
 from tests.no_loss_cases import block_items, queries, tool_exchange
 from tests.server.conftest import Proxy
 
@@ -23,7 +22,7 @@ turns = st.lists(
 
 
 async def _run(steps: list[tuple[Any, ...]]) -> None:
-    proxy = Proxy([MockEngine(block_size=16, capacity_blocks=4096) for _ in range(2)])
+    proxy = Proxy(2)
     try:
         for number, (items, query, system, tools, as_extension) in enumerate(steps):
             messages: list[dict[str, Any]] = [{"role": "system", "content": "Be brief."}] if system else []

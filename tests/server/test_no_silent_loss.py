@@ -49,3 +49,17 @@ async def test_item5_the_query_extension_never_drops_the_last_user_message(proxy
     assert any(m["content"] == "Answer in French, max 20 words." for m in sent)
     report = check_no_loss(blocks, sent, caller_messages=messages, query="Who approved the budget?")
     assert report.ok, report.violations
+
+
+async def test_items6_to_8_a_stream_with_two_choices_stores_choice_0_and_the_next_turn_loses_nothing(proxy) -> None:
+    # items 6-8 are engineer wire's (tests/server/test_stream_and_encoding.py); this checks the next prompt whole
+    for engine in proxy.engines:
+        engine.reply = lambda _body: "Alpha Beta Gamma"
+    first = body([{"role": "user", "content": "Which?"}], [HARBOR])
+    streamed = await proxy.client.post("/v1/chat/completions", json={**first, "stream": True, "n": 2})
+    assert streamed.status_code == 200 and b'"usage"' not in streamed.content
+    follow = [{"role": "user", "content": "And then?"}]
+    _, sent = await _send(proxy, body(follow, [HARBOR, MUSEUM]))
+    assert [m["content"] for m in sent if m["role"] == "assistant"] == ["Alpha Beta Gamma"]
+    report = check_no_loss([HARBOR, MUSEUM], sent, caller_messages=follow, query="And then?")
+    assert report.ok, report.violations
