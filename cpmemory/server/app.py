@@ -21,8 +21,6 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
-
 from cpmemory._version import __version__
 from cpmemory.errors import (
     EngineError,
@@ -33,10 +31,12 @@ from cpmemory.errors import (
 )
 from cpmemory.routing.dispatch import Dispatcher
 from cpmemory.routing.prefix import EventPrefixView, PrefixView, SentPrefixView
-from cpmemory.routing.router import Router, RouterConfig
+from cpmemory.routing.router import Router
 from cpmemory.routing.transport import ChatTransport, HttpxChatTransport
 from cpmemory.server.budget import EngineBudget
+from cpmemory.server.config import ServerConfig
 from cpmemory.server.metrics import ProxyMetrics
+from cpmemory.server.salt import CacheSalts
 from cpmemory.server.schemas import (
     ChatCompletionRequest,
     ErrorBody,
@@ -46,56 +46,9 @@ from cpmemory.server.schemas import (
     ReplicaHealth,
 )
 from cpmemory.server.service import ProxyService, TurnMemory, engine_request_id, turn_input
+from cpmemory.stores.base import AsyncSessionStore
 
 DEFAULT_TENANT = "default"
-
-
-class ServerConfig(BaseModel):
-    """Configuration of one proxy.
-
-    Attributes:
-        engines: base URLs of the engine replicas (OpenAI-compatible, e.g. vLLM).
-        redis_url: session store; None keeps state in process memory (lost on restart).
-        redis_prefix: key prefix in Redis (one per deployment).
-        api_keys: API key -> tenant. Empty: every caller is the single tenant ``default``.
-        cache_salt_secret: key of the hash that derives each tenant's vLLM ``cache_salt``.
-        engine_timeout_s: per-call engine timeout; past it the replica is marked down and the call fails over.
-        router: routing policy and thresholds (prefix-aware by default).
-        kv_events: vLLM KV-event endpoints (``tcp://host:port``), one per engine, for eviction sync (and, when not
-            behind a gateway, for the router's view of what each replica caches).
-        upstream: a gateway (vllm-router, llm-d, an SGLang router) that picks the replica; every call goes there.
-            ``engines`` are then the replicas behind it, used only for ``/tokenize`` and cache config with
-            ``kv_events`` (eviction sync); they may be left empty without ``kv_events``.
-        replica_cache_tokens: each replica's cache size in tokens, for the router's view of what was sent where
-            (used when the replicas publish no KV events).
-        prompt_budget: fit every cpmemory turn's prompt to the engine: ``max_model_len`` (``/v1/models``) minus the
-            request's ``max_tokens``, counted by the engine's ``/tokenize`` when offered (cpmemory.server.budget).
-        answer_reserve_tokens: answer tokens reserved for a request that gives no ``max_tokens``.
-    """
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    engines: list[str] = Field(default_factory=list)
-    redis_url: str | None = None
-    redis_prefix: str = "cpm"
-    redis_socket_timeout_s: float = Field(default=1.0, gt=0)
-    api_keys: dict[str, str] = Field(default_factory=dict)
-    cache_salt_secret: str = "cpmemory"
-    engine_timeout_s: float = Field(default=120.0, gt=0)
-    router: RouterConfig = Field(default_factory=RouterConfig)
-    kv_events: list[str] = Field(default_factory=list, description="KV-event endpoint per engine, in order")
-    upstream: str | None = Field(default=None, description="a gateway that picks the replica")
-    replica_cache_tokens: int = Field(default=1_000_000, ge=0, description="per replica, for the sent view")
-    prompt_budget: bool = True
-    answer_reserve_tokens: int = Field(default=1024, ge=1)
-
-    @model_validator(mode="after")
-    def _check_targets(self) -> ServerConfig:
-        if not self.engines and self.upstream is None:
-            raise ValueError("give at least one engine, or an upstream gateway")
-        if self.kv_events and len(self.kv_events) != len(self.engines):
-            raise ValueError("give one KV-event endpoint per engine, in the same order")
-        return self
 
 
 def error_response(status: int, error_type: str, code: str, message: str, details: Any = None) -> Any:
@@ -113,19 +66,30 @@ def _safe_details(errors: list[dict[str, Any]]) -> list[dict[str, Any]]:
              "type": str(error.get("type", ""))} for error in errors[:20]]
 
 
-def build_memory(config: ServerConfig) -> TurnMemory:
-    """Create the facade the config asks for (in-memory, or Redis-backed)."""
-    from cpmemory.facade import AsyncCpMemory
-
+def build_store(config: ServerConfig) -> AsyncSessionStore:
+    """The session store the config asks for: Redis (``redis_url`` with ``config.redis``), else in process memory."""
     if config.redis_url is None:
         from cpmemory.stores.memory import AsyncInMemorySessionStore
 
-        return AsyncCpMemory(store=AsyncInMemorySessionStore())
-    from cpmemory.stores.redis_store import AsyncRedisSessionStore, RedisStoreConfig
+        return AsyncInMemorySessionStore(ttl_s=config.memory.ttl_s)
+    from cpmemory.stores.redis_store import AsyncRedisSessionStore
 
-    store_config = RedisStoreConfig(prefix=config.redis_prefix, socket_timeout_s=config.redis_socket_timeout_s,
-                                    connect_timeout_s=config.redis_socket_timeout_s)
-    return AsyncCpMemory(store=AsyncRedisSessionStore.from_url(config.redis_url, store_config))
+    return AsyncRedisSessionStore.from_url(config.redis_url, config.redis)
+
+
+def build_memory(config: ServerConfig, store: AsyncSessionStore | None = None) -> TurnMemory:
+    """Create the facade the config asks for (``config.memory`` over ``store`` or the configured store)."""
+    from cpmemory.facade import AsyncCpMemory
+
+    return AsyncCpMemory(store=store if store is not None else build_store(config), config=config.memory)
+
+
+def build_salts(config: ServerConfig, store: AsyncSessionStore | None) -> CacheSalts:
+    """The tenants' cache salts: the configured secret, else one kept in the Redis store, else per process."""
+    if config.cache_salt_secret is not None:
+        return CacheSalts(config.cache_salt_secret.get_secret_value())
+    client = getattr(store, "client", None) if config.redis_url is not None else None
+    return CacheSalts(None, redis_client=client, redis_prefix=config.redis.prefix)
 
 
 class _TenantResolver:
@@ -163,7 +127,9 @@ def create_app(
     owns_transport, owns_memory = transport is None, memory is None
     dispatcher = Dispatcher(router, transport or HttpxChatTransport(), timeout_s=config.engine_timeout_s,
                             failover=config.upstream is None)
-    service = ProxyService(memory or build_memory(config), dispatcher, metrics, config.cache_salt_secret)
+    store = build_store(config) if memory is None else None
+    salts = build_salts(config, store)
+    service = ProxyService(memory or build_memory(config, store), dispatcher, metrics, salts)
     service.upstream = config.upstream is not None
     http_client = getattr(dispatcher.transport, "client", None)
     if config.prompt_budget and http_client is not None:

@@ -23,6 +23,10 @@ from typing import Annotated
 
 import typer
 
+from cpmemory.routing.router import RouterConfig
+from cpmemory.server.config import SERVER_REDIS, ServerConfig
+from cpmemory.stores.redis_store import RedisStoreConfig
+
 
 def parse_api_keys(pairs: list[str], keys_file: Path | None) -> dict[str, str]:
     """Merge ``KEY=TENANT`` pairs and a JSON keys file into one mapping; raises typer.BadParameter on bad input."""
@@ -44,12 +48,17 @@ def parse_api_keys(pairs: list[str], keys_file: Path | None) -> dict[str, str]:
     return keys
 
 
+_FIELDS = ServerConfig.model_fields
+_ROUTER_FIELDS = RouterConfig.model_fields
+
+
 def command(
     engine: Annotated[list[str] | None, typer.Option(
         "--engine", help="Engine base URL (repeat for several replicas).")] = None,
     upstream: str | None = typer.Option(
         None, "--upstream", help="A gateway (vllm-router, llm-d, SGLang router) that picks the replica."),
-    router_policy: str = typer.Option("prefix", "--router", help="prefix (cached prefix + load) or affinity."),
+    router_policy: str = typer.Option(_ROUTER_FIELDS["policy"].default, "--router",
+                                      help="prefix (cached prefix + load) or affinity."),
     redis: str | None = typer.Option(None, "--redis", help="Redis URL for session state (default: in memory)."),
     host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on."),
     port: int = typer.Option(8080, "--port", help="Port to listen on."),
@@ -58,10 +67,15 @@ def command(
     )] = None,
     api_key: Annotated[list[str] | None, typer.Option("--api-key", help="KEY=TENANT (repeatable).")] = None,
     api_keys_file: Annotated[Path | None, typer.Option("--api-keys-file", help="JSON object {KEY: TENANT}.")] = None,
-    redis_prefix: str = typer.Option("cpm", "--redis-prefix", help="Key prefix in Redis."),
-    engine_timeout: float = typer.Option(120.0, "--engine-timeout", help="Seconds before a replica is failed over."),
-    cache_salt_secret: str = typer.Option(
-        "cpmemory", "--cache-salt-secret", envvar="CPM_CACHE_SALT_SECRET", help="Key of per-tenant cache salts."
+    redis_prefix: str = typer.Option(SERVER_REDIS.prefix, "--redis-prefix", help="Key prefix in Redis."),
+    redis_timeout: float = typer.Option(SERVER_REDIS.socket_timeout_s, "--redis-timeout",
+                                        help="Seconds per Redis call before a turn is served pass-through."),
+    engine_timeout: float = typer.Option(_FIELDS["engine_timeout_s"].default, "--engine-timeout",
+                                         help="Seconds before a replica is failed over."),
+    cache_salt_secret: str | None = typer.Option(
+        None, "--cache-salt-secret", envvar="CPM_CACHE_SALT_SECRET",
+        help="Key of per-tenant cache salts (16+ characters). Default: generated and kept in Redis (--redis), "
+        "or per process; required with API keys and no Redis.", show_default=False,
     ),
     log_level: str = typer.Option("warning", "--log-level", help="uvicorn log level."),
 ) -> None:
@@ -71,8 +85,9 @@ def command(
     except ImportError:
         typer.echo("uvicorn is not installed; run: pip install 'cpmemory[server]'", err=True)
         raise typer.Exit(code=2) from None
-    from cpmemory.routing.router import RouterConfig
-    from cpmemory.server.app import ServerConfig, create_app
+    from pydantic import ValidationError
+
+    from cpmemory.server.app import create_app
 
     engine, kv_events, api_key = engine or [], kv_events or [], api_key or []
     if not engine and upstream is None:
@@ -81,9 +96,15 @@ def command(
         raise typer.BadParameter("give one --kv-events endpoint per --engine, in the same order")
     if router_policy not in ("prefix", "affinity"):
         raise typer.BadParameter("--router must be prefix or affinity")
-    config = ServerConfig(
-        engines=engine, redis_url=redis, redis_prefix=redis_prefix, api_keys=parse_api_keys(api_key, api_keys_file),
-        cache_salt_secret=cache_salt_secret, engine_timeout_s=engine_timeout, kv_events=kv_events,
-        upstream=upstream, router=RouterConfig(policy=router_policy),  # type: ignore[arg-type]
-    )
+    redis_config = SERVER_REDIS.model_copy(update={"prefix": redis_prefix, "socket_timeout_s": redis_timeout,
+                                                   "connect_timeout_s": redis_timeout})
+    try:
+        config = ServerConfig(
+            engines=engine, redis_url=redis, redis=RedisStoreConfig.model_validate(redis_config.model_dump()),
+            api_keys=parse_api_keys(api_key, api_keys_file), cache_salt_secret=cache_salt_secret,
+            engine_timeout_s=engine_timeout, kv_events=kv_events,
+            upstream=upstream, router=RouterConfig(policy=router_policy),  # type: ignore[arg-type]
+        )
+    except ValidationError as error:
+        raise typer.BadParameter(str(error)) from error
     uvicorn.run(create_app(config), host=host, port=port, log_level=log_level)

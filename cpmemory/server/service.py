@@ -37,6 +37,7 @@ from cpmemory.routing.prefix import text_blocks
 from cpmemory.routing.router import RouteDecision, conversation_affinity_key
 from cpmemory.server.budget import MAX_REPLANS, EngineBudget, requested_answer_tokens, tighter_budget
 from cpmemory.server.metrics import ProxyMetrics
+from cpmemory.server.salt import CacheSalts
 from cpmemory.server.schemas import ChatCompletionRequest, ChatMessage
 from cpmemory.server.sse import SseCollector
 from cpmemory.session.config import CpMemoryConfig
@@ -155,12 +156,12 @@ def turn_input(request: ChatCompletionRequest, header_conversation: str | None) 
 class ProxyService:
     """Per-app state: memory facade, dispatcher, metrics. Use from one event loop."""
 
-    def __init__(self, memory: TurnMemory, dispatcher: Dispatcher, metrics: ProxyMetrics, salt_secret: str) -> None:
+    def __init__(self, memory: TurnMemory, dispatcher: Dispatcher, metrics: ProxyMetrics, salts: CacheSalts) -> None:
         """Wire the parts; no IO."""
         self.memory = memory
         self.dispatcher = dispatcher
         self.metrics = metrics
-        self._salt_secret = salt_secret.encode("utf-8")
+        self.salts = salts
         self.kv_sync: Any = None  # a KVSyncHub when the engines publish KV events (set by the app's lifespan)
         self.upstream = False  # True behind a gateway: it picks the replica, the proxy sends no routing hint
         self.engine_budget: EngineBudget | None = None  # set by create_app (cpmemory.server.budget)
@@ -177,9 +178,8 @@ class ProxyService:
         return RouteHint(text_blocks(payload.get("messages") or []), sticky, remember)
 
     def cache_salt(self, tenant: str) -> str:
-        """The tenant's vLLM ``cache_salt``: a keyed hash of the tenant, stable across restarts."""
-        digest = hashlib.blake2b(tenant.encode("utf-8", "surrogatepass"), key=self._salt_secret[:64], digest_size=16)
-        return digest.hexdigest()
+        """The tenant's vLLM ``cache_salt``: a keyed hash of the tenant, stable across restarts (see ``salt``)."""
+        return self.salts.salt(tenant)
 
     def engine_payload(
         self, request: ChatCompletionRequest, messages: Sequence[Mapping[str, str]] | None, request_id: str,
@@ -243,6 +243,7 @@ class ProxyService:
 
     async def pass_through(self, request: ChatCompletionRequest, tenant: str) -> DispatchResult:
         """Forward a plain request to the replica of its prefix-affinity key."""
+        await self.salts.ready()
         request_id = "cpm-" + uuid.uuid4().hex
         payload = self.engine_payload(request, None, request_id, tenant).body
         hint = await self.route_hint(payload, sticky=False, remember=False)
@@ -253,6 +254,7 @@ class ProxyService:
 
     async def open_pass_through_stream(self, request: ChatCompletionRequest, tenant: str) -> OpenedStream:
         """Open a plain streaming request on the replica of its prefix-affinity key."""
+        await self.salts.ready()
         request_id = "cpm-" + uuid.uuid4().hex
         payload = self.engine_payload(request, None, request_id, tenant)
         hint = await self.route_hint(payload.body, sticky=False, remember=False)
@@ -265,6 +267,7 @@ class ProxyService:
     ) -> TurnOutcome:
         """Send a prepared turn, then commit (success) or abort (any failure, re-raised: an engine error, or a
         request that cannot be encoded, InvalidInputError)."""
+        await self.salts.ready()
         request_id = engine_request_id(prepared)
         payload = self.engine_payload(request, prepared.messages, request_id, tenant).body
         key = conversation_affinity_key(tenant, turn.conversation_id)
@@ -288,6 +291,7 @@ class ProxyService:
     async def open_turn_stream(self, request: ChatCompletionRequest, tenant: str, turn: TurnInput,
                                prepared: PreparedTurn) -> OpenedStream:
         """Open the engine stream of a prepared turn; abort the turn if it cannot be sent (re-raised)."""
+        await self.salts.ready()
         request_id = engine_request_id(prepared)
         payload = self.engine_payload(request, prepared.messages, request_id, tenant)
         key = conversation_affinity_key(tenant, turn.conversation_id)

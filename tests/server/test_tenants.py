@@ -8,6 +8,7 @@ ALICE = {"Authorization": "Bearer key-alice"}
 BOB = {"Authorization": "Bearer key-bob"}
 SHARED = [{"id": f"s{i}", "text": f"Shared document {i}. " + "lorem ipsum dolor " * 30} for i in range(4)]
 SECRET = "Alice's secret question about the merger"
+SALT_SECRET = "a-test-only-secret-of-32-characters!"
 
 
 def body(conversation: str, question: str, blocks: list[dict]) -> dict:
@@ -17,7 +18,7 @@ def body(conversation: str, question: str, blocks: list[dict]) -> dict:
 
 @pytest.fixture
 async def tenants(make_proxy):
-    proxy = make_proxy(api_keys=KEYS)
+    proxy = make_proxy(api_keys=KEYS, cache_salt_secret=SALT_SECRET)
     yield proxy
     await proxy.aclose()
 
@@ -64,7 +65,7 @@ async def test_bob_cannot_evict_alice_leaves(tenants) -> None:
 
 
 async def test_cache_salt_differs_per_tenant(make_proxy) -> None:
-    tenants = make_proxy(engine_count=1, api_keys=KEYS)
+    tenants = make_proxy(engine_count=1, api_keys=KEYS, cache_salt_secret=SALT_SECRET)
     a = await tenants.client.post("/v1/chat/completions", json=body("x", "q", SHARED), headers=ALICE)
     b = await tenants.client.post("/v1/chat/completions", json=body("x", "q", SHARED), headers=BOB)
     salts = {}
@@ -89,7 +90,7 @@ async def test_cross_session_reordering_stays_inside_a_tenant(tenants, make_prox
     probe = [SHARED[1], SHARED[0], SHARED[2], SHARED[3]]
     alice = await tenants.client.post("/v1/chat/completions", json=body("a-new", "q", probe), headers=ALICE)
     bob = await tenants.client.post("/v1/chat/completions", json=body("b-new", "q", probe), headers=BOB)
-    fresh_proxy = make_proxy(api_keys=KEYS)
+    fresh_proxy = make_proxy(api_keys=KEYS, cache_salt_secret=SALT_SECRET)
     fresh = await fresh_proxy.client.post("/v1/chat/completions", json=body("b-new", "q", probe), headers=BOB)
     await fresh_proxy.aclose()
 

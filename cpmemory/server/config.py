@@ -1,0 +1,83 @@
+"""The proxy's configuration: one tree of pydantic models (``cpmemory serve`` takes its defaults from here).
+
+::
+
+    ServerConfig
+    ├── memory: CpMemoryConfig        the facade's tunables (dedup, index, history, budget)
+    ├── redis: RedisStoreConfig       key prefix, timeouts, TTL of the Redis session store (with ``redis_url``)
+    └── router: RouterConfig          routing policy and thresholds
+
+``cache_salt_secret`` has no public default: give one (``--cache-salt-secret`` / ``CPM_CACHE_SALT_SECRET``), or
+let the proxy generate one on first start and keep it in Redis (every worker on the same prefix shares it). Without
+Redis, API keys (tenants) require a given secret; a single-tenant proxy without Redis uses a per-process secret.
+"""
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
+
+from cpmemory.routing.router import RouterConfig
+from cpmemory.session.config import CpMemoryConfig
+from cpmemory.stores.redis_store import RedisStoreConfig
+
+SERVER_REDIS = RedisStoreConfig(socket_timeout_s=1.0, connect_timeout_s=1.0)
+"""The proxy's Redis defaults: longer timeouts than the library's (the proxy shares its loop with many clients)."""
+
+
+class ServerConfig(BaseModel):
+    """Configuration of one proxy.
+
+    Attributes:
+        engines: base URLs of the engine replicas (OpenAI-compatible, e.g. vLLM).
+        redis_url: session store; None keeps state in process memory (lost on restart).
+        redis: the Redis store's settings (prefix: one per deployment; timeouts; TTL).
+        memory: the facade's settings.
+        api_keys: API key -> tenant. Empty: every caller is the single tenant ``default``.
+        cache_salt_secret: key of the hash that derives each tenant's vLLM ``cache_salt`` (see the module).
+        engine_timeout_s: per-call engine timeout; past it the replica is marked down and the call fails over.
+        router: routing policy and thresholds (prefix-aware by default).
+        kv_events: vLLM KV-event endpoints (``tcp://host:port``), one per engine, for eviction sync (and, when not
+            behind a gateway, for the router's view of what each replica caches).
+        upstream: a gateway (vllm-router, llm-d, an SGLang router) that picks the replica; every call goes there.
+            ``engines`` are then the replicas behind it, used only for ``/tokenize`` and cache config with
+            ``kv_events`` (eviction sync); they may be left empty without ``kv_events``.
+        replica_cache_tokens: each replica's cache size in tokens, for the router's view of what was sent where
+            (used when the replicas publish no KV events).
+        prompt_budget: fit every cpmemory turn's prompt to the engine: ``max_model_len`` (``/v1/models``) minus the
+            request's ``max_tokens``, counted by the engine's ``/tokenize`` when offered (cpmemory.server.budget).
+        answer_reserve_tokens: answer tokens reserved for a request that gives no ``max_tokens``.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    engines: list[str] = Field(default_factory=list)
+    redis_url: str | None = None
+    redis: RedisStoreConfig = SERVER_REDIS
+    memory: CpMemoryConfig = Field(default_factory=CpMemoryConfig)
+    api_keys: dict[str, str] = Field(default_factory=dict)
+    cache_salt_secret: SecretStr | None = None
+    engine_timeout_s: float = Field(default=120.0, gt=0)
+    router: RouterConfig = Field(default_factory=RouterConfig)
+    kv_events: list[str] = Field(default_factory=list, description="KV-event endpoint per engine, in order")
+    upstream: str | None = Field(default=None, description="a gateway that picks the replica")
+    replica_cache_tokens: int = Field(default=1_000_000, ge=0, description="per replica, for the sent view")
+    prompt_budget: bool = True
+    answer_reserve_tokens: int = Field(default=1024, ge=1)
+
+    @field_validator("cache_salt_secret")
+    @classmethod
+    def _strong_secret(cls, value: SecretStr | None) -> SecretStr | None:
+        if value is None or not value.get_secret_value():
+            return None  # empty (e.g. an unset environment variable in compose): generated, see the module
+        if len(value.get_secret_value()) < 16:
+            raise ValueError("cache_salt_secret must have at least 16 characters")
+        return value
+
+    @model_validator(mode="after")
+    def _check_targets(self) -> ServerConfig:
+        if not self.engines and self.upstream is None:
+            raise ValueError("give at least one engine, or an upstream gateway")
+        if self.kv_events and len(self.kv_events) != len(self.engines):
+            raise ValueError("give one KV-event endpoint per engine, in the same order")
+        if self.api_keys and self.cache_salt_secret is None and self.redis_url is None:
+            raise ValueError("tenants (api_keys) need a cache_salt_secret (or a redis_url to keep a generated one)")
+        return self
