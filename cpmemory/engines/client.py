@@ -447,6 +447,10 @@ class AsyncEngineClient:
         response = await self._send("POST", "/tokenize", body)
         return parse_tokenize(_json(response, self.base_url))
 
+    async def models(self, *, timeout_s: float | None = None) -> dict[str, Any]:
+        """The engine's ``GET /v1/models`` answer (vLLM and SGLang report each model's ``max_model_len``)."""
+        return _json_object(await self._send("GET", "/v1/models", timeout_s=timeout_s), self.base_url)
+
     async def metrics_text(self) -> str:
         """The raw Prometheus text of ``/metrics``."""
         return str((await self._send("GET", "/metrics")).text)

@@ -22,6 +22,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from cpmemory._version import __version__
+from cpmemory.engines.client import AsyncEngineClient, EngineSettings
 from cpmemory.errors import (
     EngineError,
     EngineStatusError,
@@ -133,7 +134,8 @@ def create_app(
     service.upstream = config.upstream is not None
     http_client = getattr(dispatcher.transport, "client", None)
     if config.prompt_budget and http_client is not None:
-        service.engine_budget = EngineBudget(http_client, targets[0], timeout_s=min(5.0, config.engine_timeout_s))
+        settings = EngineSettings(base_url=targets[0], timeout_s=min(5.0, config.engine_timeout_s))
+        service.engine_budget = EngineBudget(AsyncEngineClient(settings, http=http_client))
         service.answer_reserve_tokens = config.answer_reserve_tokens
 
     @contextlib.asynccontextmanager

@@ -66,18 +66,15 @@ def model_len(payload: Any, model: str) -> int | None:
 
 
 class EngineBudget:
-    """Per-model engine limits (cached) and exact prompt counts over an ``httpx.AsyncClient``.
+    """Per-model engine limits (cached) and exact prompt counts, through the engine client.
 
     Args:
-        client: the HTTP client (the proxy's engine transport's).
-        base_url: the engine (or gateway) asked for ``/v1/models`` and ``/tokenize``.
-        timeout_s: per call.
+        client: an :class:`~cpmemory.engines.client.AsyncEngineClient` of the engine (or gateway) asked for
+            ``/v1/models`` and ``/tokenize`` (the proxy's: on its transport's connection pool).
     """
 
-    def __init__(self, client: Any, base_url: str, timeout_s: float = 5.0) -> None:
+    def __init__(self, client: Any) -> None:
         self._client = client
-        self._base = base_url.rstrip("/")
-        self._timeout_s = timeout_s
         self._limits: dict[str, EngineLimits] = {}
         self._ratio: dict[str, tuple[int, float]] = {}  # model -> (prompts counted, largest engine/planned ratio)
 
@@ -106,30 +103,18 @@ class EngineBudget:
 
     async def _model_len(self, model: str) -> int | None:
         try:
-            response = await self._client.get(f"{self._base}/v1/models", timeout=self._timeout_s)
-            return model_len(response.json(), model) if response.status_code == 200 else None
+            return model_len(await self._client.models(), model)
         except Exception as error:  # noqa: BLE001 - an engine without /v1/models gives no budget
             logger.debug("GET /v1/models failed: %s", error)
             return None
 
     async def count(self, model: str, messages: Sequence[Mapping[str, str]]) -> int | None:
         """The engine's token count of a chat prompt (template applied), or None when ``/tokenize`` fails."""
-        from cpmemory.engines.client import tokenize_body
-
-        body = tokenize_body([dict(m) for m in messages], None, model)
         try:
-            response = await self._client.post(f"{self._base}/tokenize", json=body, timeout=self._timeout_s)
-            if response.status_code != 200:
-                return None
-            payload = response.json()
+            return len(await self._client.tokenize([dict(m) for m in messages], model=model))
         except Exception as error:  # noqa: BLE001 - counted as "no /tokenize"
             logger.debug("POST /tokenize failed: %s", error)
             return None
-        count = payload.get("count") if isinstance(payload, Mapping) else None
-        if isinstance(count, int) and not isinstance(count, bool):
-            return count
-        tokens = payload.get("tokens") if isinstance(payload, Mapping) else None
-        return len(tokens) if isinstance(tokens, list) else None
 
 
 def tighter_budget(budget: int, planned_tokens: int, engine_tokens: int) -> int:

@@ -7,6 +7,7 @@ import httpx
 import pytest
 
 from cpmemory.core.invariants import check_no_loss
+from cpmemory.engines.client import AsyncEngineClient
 from cpmemory.server.budget import EngineBudget, model_len, requested_answer_tokens, tighter_budget
 from cpmemory.server.schemas import ChatCompletionRequest
 from cpmemory.testing.mock_engine import MockEngine, mock_tokenize, render_chatml
@@ -75,8 +76,8 @@ def test_helpers() -> None:
 
 async def test_engine_budget_counts_with_tokenize() -> None:
     engine = MockEngine(max_model_len=5000)
-    async with httpx.AsyncClient(transport=engine.transport()) as client:
-        budget = EngineBudget(client, "http://engine")
+    async with AsyncEngineClient("http://engine", transport=engine.transport()) as client:
+        budget = EngineBudget(client)
         limits = await budget.limits("tiny")
         assert limits.max_model_len == 5000 and limits.tokenize
         messages = [{"role": "user", "content": "hello"}]

@@ -53,6 +53,7 @@ async def test_gateway_down_is_an_engine_error_the_turn_is_aborted_and_nothing_i
 
 async def test_gateway_error_status_reaches_the_client_as_the_engines_would(gateway_proxy) -> None:
     gateway, _, client = gateway_proxy
+    assert (await client.post("/v1/chat/completions", json=turn("warm", "q0"))).status_code == 200  # budget known
     gateway.fail_next(1, status=400)
     rejected = await client.post("/v1/chat/completions", json=turn("c", "q1"))
     assert rejected.status_code == 400 and rejected.json()["error"]["message"] == "injected failure"
