@@ -19,10 +19,12 @@ pass-through: relevance order, every block in full, nothing reserved; it is logg
 
 from __future__ import annotations
 
+import logging
+import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from cpmemory.core.blocks import BlockLike
+from cpmemory.core.blocks import BlockLike, normalize_blocks
 from cpmemory.errors import PromptBudgetError, TokenCounterError
 from cpmemory.session.config import CpMemoryConfig
 from cpmemory.session.lifecycle import FacadeCore, IndexEvictor, is_store_failure
@@ -30,6 +32,8 @@ from cpmemory.session.turns import PreparedTurn, reserve_request
 from cpmemory.stores.base import AsyncSessionStore, SessionStore
 from cpmemory.stores.memory import AsyncInMemorySessionStore, InMemorySessionStore
 from cpmemory.types import BatchPlan, ConversationKey, ConversationState
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["AsyncCpMemory", "CpMemory", "IndexEvictor", "is_store_failure"]
 
@@ -156,8 +160,47 @@ class CpMemory(FacadeCore):
         return self._plan_batch(requests, tenant)
 
     def evict(self, request_ids: Iterable[str], *, tenant: str = "default") -> int:
-        """Remove the leaves of ``request_ids`` from the tenant's index (engine eviction sync). Returns how many."""
-        return self._evict(request_ids, tenant)
+        """Remove the leaves of ``request_ids`` from the tenant's index (engine eviction sync). Returns how many.
+
+        With a Redis store the tenant's shared decision state forgets them too (a store failure is logged: the
+        shared state then keeps their weight until they age out).
+        """
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        elif isinstance(request_ids, Iterable) and not isinstance(request_ids, (bytes, Mapping)):
+            request_ids = list(request_ids)
+        removed = self._evict(request_ids, tenant)  # validates request_ids
+        shared = getattr(self.store, "evict_decisions", None)
+        if shared is not None and request_ids:
+            try:
+                shared(tenant, request_ids)
+            except Exception as error:
+                if not is_store_failure(error):
+                    raise
+                logger.warning("shared decision state not updated for %d evictions: %s", len(request_ids), error)
+        return removed
+
+    def order_blocks(self, blocks: Iterable[BlockLike], *, tenant: str = "default") -> list[Any]:
+        """See :meth:`FacadeCore.order_blocks`; with a Redis store the tenant's shared decision state decides
+        (one round trip; a store failure falls back to this process's orderer)."""
+        shared = getattr(self.store, "decide_order", None)
+        if shared is None:
+            return super().order_blocks(blocks, tenant=tenant)
+        ConversationKey(tenant, "stateless")
+        normalized = normalize_blocks(blocks)
+        by_hash: dict[str, list[Any]] = {}
+        for block in normalized:
+            by_hash.setdefault(block.content_hash, []).append(block)
+        sizes = [float(len(group[0].text) + 1) for group in by_hash.values()]
+        try:
+            order = shared(tenant, list(by_hash), sizes, uuid.uuid4().hex)
+        except Exception as error:
+            if not is_store_failure(error):
+                raise
+            return super().order_blocks(normalized, tenant=tenant)
+        placed = [key for key in dict.fromkeys(order) if key in by_hash]
+        placed += [key for key in by_hash if key not in set(placed)]
+        return [block for key in placed for block in by_hash[key]]
 
     def reset_index(self, tenant: str | None = None) -> None:
         """Drop one tenant's index (or all of them): the engine's cache was flushed."""

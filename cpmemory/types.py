@@ -80,6 +80,9 @@ class SeenBlock:
 class ReserveRequest:
     """What ``reserve`` needs: the request's blocks as (block_id, content_hash) pairs, in request order.
 
+    ``order_sizes`` (one size per block): a store holding the tenant's shared decision state (Redis) also returns
+    the online order of the request's distinct hashes in ``Reservation.shared_order``, in the same round trip.
+
     ``history_turns`` (with ``include_transcript``): return only the turn window of ``max_history_turns`` = N turns
     (the turns after ``cpmemory.session.turns.window_start(turns, N)``); None returns every stored turn.
     """
@@ -88,6 +91,7 @@ class ReserveRequest:
     reservation_timeout_s: float = 120.0
     include_transcript: bool = True
     history_turns: int | None = None
+    order_sizes: tuple[float, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,6 +112,7 @@ class Reservation:
     last_search_path: tuple[int, ...] = ()
     transcript_start: int = 0
     turn_sizes: tuple[int, ...] = ()
+    shared_order: tuple[str, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,12 +121,16 @@ class TurnRecord:
 
     ``trim_before``: the committed turns up to this number are no longer needed by the caller (they left its history
     window); the store drops them, with the seen entries that point into them, in the same atomic step.
+    ``sent_order`` / ``request_id``: the content hashes shown in full, in prompt order, and the index request id;
+    a store holding the tenant's shared decision state records them in the same round trip.
     """
 
     messages: tuple[Message, ...]
     shown: tuple[SeenBlock, ...]
     search_path: tuple[int, ...] = ()
     trim_before: int = 0
+    sent_order: tuple[str, ...] = ()
+    request_id: str = ""
 
 
 @dataclass(frozen=True, slots=True)

@@ -21,7 +21,9 @@ what arrived so far; the prompts run through a fresh ``PrefixCacheSimulator`` (t
 """
 from __future__ import annotations
 
+import contextlib
 import time
+import uuid
 from collections import Counter
 from collections.abc import Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -103,6 +105,7 @@ class _Context:
     prepared: Sequence[PreparedRequest]
     system_prompt: str
     simulator: Any = None
+    workers: tuple[str, int, str] | None = None  # (Redis URL, K facades, key prefix) for the product
 
 
 class _Plain:
@@ -190,11 +193,26 @@ class _Trie(_Popularity):
 
 
 class _Facade:
-    """The product: ``release_order`` for a window, then ``prepare`` (no prompt_order) and ``commit`` per request."""
+    """The product: ``release_order`` for a window, then ``prepare`` (no prompt_order) and ``commit`` per request.
+
+    With ``workers`` (a Redis URL and K), K facades on one Redis store and prefix take the requests round robin,
+    as K workers of one deployment would.
+    """
 
     def __init__(self, context: _Context) -> None:
         self.context = context
-        self.builder = FacadePromptBuilder(context.system_prompt, context.trace.multi_turn)
+        trace = context.trace
+        if context.workers is None:
+            self.builders = [FacadePromptBuilder(context.system_prompt, trace.multi_turn)]
+        else:
+            from cpmemory.stores.redis_store import RedisSessionStore, RedisStoreConfig
+
+            url, count, prefix = context.workers
+            config = RedisStoreConfig(prefix=prefix, ttl_s=3600.0)
+            self.builders = [FacadePromptBuilder(context.system_prompt, trace.multi_turn,
+                                                 RedisSessionStore.from_url(url, config)) for _ in range(count)]
+        self.builder = self.builders[0]
+        self.requests_built = 0
         self.decision_ms = 0.0
 
     def schedule(self, window: Sequence[int]) -> list[int]:
@@ -207,8 +225,11 @@ class _Facade:
         return keep_turn_order(ranked, [trace.sessions[i] for i in ranked]) if trace.multi_turn else ranked
 
     def build(self, index: int) -> dict[str, Any]:
+        builder = self.builders[self.requests_built % len(self.builders)]
+        builder._count = self.requests_built  # conversation names stay unique across workers
+        self.requests_built += 1
         started = time.perf_counter()
-        built = self.builder.build_online(self.context.trace.requests[index], self.context.prepared[index])
+        built = builder.build_online(self.context.trace.requests[index], self.context.prepared[index])
         self.decision_ms = (time.perf_counter() - started) * 1000.0
         return built
 
@@ -233,6 +254,7 @@ class OnlineReport:
     offline_cpmemory: float
     offline_original: float
     gain_shares: dict[str, float] = field(default_factory=dict)
+    workers: int | None = None
 
     def to_json(self) -> dict[str, Any]:
         """The ``"online"`` object of the replay JSON."""
@@ -241,16 +263,21 @@ class OnlineReport:
             summary = result.summary()
             summary["gain_share"] = round(self.gain_shares.get(name, 0.0), 4)
             out[name] = summary
-        return {"window": self.window, "offline_cpmemory_hit_rate": round(self.offline_cpmemory, 6),
-                "strategies": out}
+        return {"window": self.window, "workers": self.workers,
+                "offline_cpmemory_hit_rate": round(self.offline_cpmemory, 6), "strategies": out}
 
 
 def run_online_strategy(name: str, trace: Trace, prepared: Sequence[PreparedRequest], system_prompt: str,
-                        simulator: Any, window: int, progress: Any = None) -> StrategyResult:
-    """Replay ``trace`` through one online strategy on ``simulator`` (fresh, mutated)."""
+                        simulator: Any, window: int, progress: Any = None,
+                        workers: tuple[str, int, str] | None = None) -> StrategyResult:
+    """Replay ``trace`` through one online strategy on ``simulator`` (fresh, mutated).
+
+    Args:
+        workers: (Redis URL, K, key prefix): the product runs as K facades on that Redis (None: one in memory).
+    """
     from cpmemory.core.invariants import check_no_loss
 
-    context = _Context(trace, prepared, system_prompt, simulator)
+    context = _Context(trace, prepared, system_prompt, simulator, workers)
     strategy = ONLINE_FACTORIES[name](context)
     result = StrategyResult(name)
     windows = Windows(trace, window)
@@ -285,20 +312,53 @@ def gain_share(hit_rate: float, original: float, offline: float) -> float:
 
 def run_online(trace: Trace, prepared: Sequence[PreparedRequest], system_prompt: str, capacity: int, mode: str,
                page_size: int | None, window: int, offline: dict[str, StrategyResult],
-               strategies: Sequence[str] = ONLINE_STRATEGIES, progress: Any = None) -> OnlineReport:
-    """Run every online strategy on its own fresh cache; gain shares against ``offline['cpmemory']``."""
+               strategies: Sequence[str] = ONLINE_STRATEGIES, progress: Any = None,
+               workers: int | None = None, redis_url: str | None = None) -> OnlineReport:
+    """Run every online strategy on its own fresh cache; gain shares against ``offline['cpmemory']``.
+
+    With ``workers`` the product runs as that many facades on one Redis (``redis_url``, else a throw-away local
+    ``redis-server`` for the run), under a fresh key prefix.
+    """
     from cpmemory.bench.simulator import PrefixCacheSimulator
 
     check_window(window)
+    if workers is not None:
+        if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+            raise InvalidInputError(f"--workers must be an integer >= 1, got {workers!r}")
+        with _redis(redis_url) as url:
+            return _run_online(trace, prepared, system_prompt, capacity, mode, page_size, window, offline,
+                               strategies, progress, (url, workers, f"cpm-bench-{uuid.uuid4().hex[:12]}"))
+    return _run_online(trace, prepared, system_prompt, capacity, mode, page_size, window, offline, strategies,
+                       progress, None)
+
+
+@contextlib.contextmanager
+def _redis(url: str | None) -> Iterator[str]:
+    if url is not None:
+        yield url
+        return
+    from cpmemory.testing.local_redis import LocalRedisServer
+
+    with LocalRedisServer() as server:
+        server.start()
+        yield server.url
+
+
+def _run_online(trace: Trace, prepared: Sequence[PreparedRequest], system_prompt: str, capacity: int, mode: str,
+                page_size: int | None, window: int, offline: dict[str, StrategyResult], strategies: Sequence[str],
+                progress: Any, workers: tuple[str, int, str] | None) -> OnlineReport:
+    from cpmemory.bench.simulator import PrefixCacheSimulator
+
     unknown = set(strategies) - set(ONLINE_STRATEGIES)
     if unknown:
         raise InvalidInputError(f"unknown online strategies {sorted(unknown)}; choose from {', '.join(ONLINE_STRATEGIES)}")
     results = {}
     for name in strategies:
         simulator = PrefixCacheSimulator(capacity, mode=mode, page_size=page_size)  # type: ignore[arg-type]
-        results[name] = run_online_strategy(name, trace, prepared, system_prompt, simulator, window, progress)
+        results[name] = run_online_strategy(name, trace, prepared, system_prompt, simulator, window, progress,
+                                            workers if name == "cpmemory" else None)
     offline_hit = offline["cpmemory"].hit_rate
     original = results["original"].hit_rate if "original" in results else offline["original"].hit_rate
-    report = OnlineReport(window, results, offline_hit, original)
+    report = OnlineReport(window, results, offline_hit, original, workers=None if workers is None else workers[1])
     report.gain_shares = {name: gain_share(r.hit_rate, original, offline_hit) for name, r in results.items()}
     return report

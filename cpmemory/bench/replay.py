@@ -142,12 +142,12 @@ class PlainPromptBuilder:
 class FacadePromptBuilder:
     """Prompts from the product: ``CpMemory.prepare(prompt_order=...)`` then ``commit`` (dedup + annotations)."""
 
-    def __init__(self, system_prompt: str, multi_turn: bool) -> None:
-        """Create a fresh in-memory ``CpMemory``."""
+    def __init__(self, system_prompt: str, multi_turn: bool, store: Any = None) -> None:
+        """Create a fresh ``CpMemory`` (in memory, or on ``store``)."""
         from cpmemory.facade import CpMemory
         from cpmemory.session.config import CpMemoryConfig
 
-        self.memory = CpMemory(config=CpMemoryConfig(system_prompt=system_prompt, ttl_s=None))
+        self.memory = CpMemory(store=store, config=CpMemoryConfig(system_prompt=system_prompt, ttl_s=None))
         self.multi_turn = multi_turn
         self._count = 0
 
@@ -400,7 +400,8 @@ def run_strategy(name: str, plan: StrategyPlan, trace: Trace, prepared: Sequence
 
 
 def run_replay(trace: Trace, settings: ReplaySettings = ReplaySettings(),
-               progress: Progress | None = None, online_window: int | None = None) -> ReplayReport:
+               progress: Progress | None = None, online_window: int | None = None,
+               online_workers: int | None = None, redis_url: str | None = None) -> ReplayReport:
     """Replay ``trace`` through every strategy of ``settings`` on the same cache. Deterministic apart from timings.
 
     A strategy whose optional dependency is missing is reported under ``unavailable``. With ``online_window``,
@@ -439,7 +440,8 @@ def run_replay(trace: Trace, settings: ReplaySettings = ReplaySettings(),
         from cpmemory.bench.online import run_online
 
         online = run_online(trace, prepared, _system_prompt(settings), capacity, settings.mode, settings.page_size,
-                            online_window, results, progress=progress)
+                            online_window, results, progress=progress, workers=online_workers,
+                            redis_url=redis_url)
     return ReplayReport(
         online=online,
         workload=trace.name, requests=len(trace.requests), capacity_tokens=capacity, unique_tokens=unique,
@@ -493,6 +495,9 @@ def command(
     json_output: bool = typer.Option(False, "--json", help="Print one JSON object on stdout."),
     online: bool = typer.Option(False, "--online", help="Also replay the online strategies (requests as they arrive)."),
     window: int = typer.Option(1, "--window", help="Online: how many waiting requests are ordered together (>= 1)."),
+    workers: int | None = typer.Option(None, "--workers", help="Online: K facades on one Redis, round robin."),
+    redis_url: str | None = typer.Option(None, "--redis", help="With --workers: Redis URL (default: a throw-away "
+                                         "local redis-server)."),
 ) -> None:
     """Replay a trace or a real workload through every strategy on the same cache; print a table or JSON."""
     from rich.markup import escape
@@ -514,7 +519,8 @@ def command(
             err.print(f"[yellow]skipped[/] {escape(str(error))}", soft_wrap=True)
         total = len(trace.requests) * (len(names) + (len(ONLINE_STRATEGIES) if online else 0))
         with report_module.progress_bar(total, f"replay {trace.name}") as advance:
-            result = run_replay(trace, settings, advance, online_window=window if online else None)
+            result = run_replay(trace, settings, advance, online_window=window if online else None,
+                                online_workers=workers, redis_url=redis_url)
         if engine != "sim":
             replay_on_engine(result, engine, model=model)
     except (CpMemoryError, ImportError) as exc:

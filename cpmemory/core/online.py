@@ -34,7 +34,7 @@ from collections.abc import Hashable, Sequence
 from cpmemory.errors import InvalidInputError
 
 RECENCY_SCALE = 50.0
-MATCH_BUDGET = 64
+MATCH_BUDGET = 16
 
 
 class _TrieNode:
@@ -73,11 +73,11 @@ class OnlineOrderer:
     def observe(self, keys: Sequence[Hashable]) -> None:
         """Count one arrived request's blocks in the retrieval frequencies (mutates). O(k)."""
         self._requests_seen += 1
-        frequency, first = self._frequency, self._first_seen
+        frequency, first, ordinal = self._frequency, self._first_seen, self._requests_seen
         for key in keys:
             frequency[key] += 1
             if key not in first:
-                first[key] = len(first)
+                first[key] = ordinal  # the request that first retrieved it (ties: the request's own order)
         if len(frequency) > self.max_blocks:
             self._halve_frequencies()
 
@@ -122,8 +122,8 @@ class OnlineOrderer:
             scored = []
             for child in candidates:
                 weight = size[child.key] / (1.0 + (clock - child.last) / RECENCY_SCALE)
-                scored.append((score + weight, id(child), child))
-            scored.sort()
+                scored.append((score + weight, str(child.key), child))
+            scored.sort(key=lambda item: (item[0], item[1]))  # deterministic (decide.lua breaks ties the same way)
             stack.extend((child, value, left - size[child.key]) for value, _, child in scored)
         return _path_to(best_node)
 
@@ -132,7 +132,7 @@ class OnlineOrderer:
     ) -> list[Hashable]:
         seen = max(1, self._requests_seen)
         frequency, first = self._frequency, self._first_seen
-        unseen = len(first)
+        unseen = self._requests_seen + 1
         waiting = waiting or Counter()
 
         def rank(key: Hashable) -> tuple[int, float, int]:

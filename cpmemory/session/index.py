@@ -81,14 +81,31 @@ class TenantIndexes:
         return schedule
 
     def order_and_place(
-        self, tenant: str, context: Sequence[Hashable], sizes: Sequence[float], request_id: str
+        self,
+        tenant: str,
+        context: Sequence[Hashable],
+        sizes: Sequence[float],
+        request_id: str,
+        shared_order: Sequence[Hashable] | None = None,
     ) -> Placement:
         """Order ``context`` online, record the order sent and index it as ``request_id`` (mutates).
 
         The placement's prefix is the whole order. O(k log k) for the order plus the index insert.
+
+        Args:
+            shared_order: the order the tenant's shared decision state gave (Redis): used instead of the local
+                orderer (which then records nothing; the store records the order at commit).
         """
         if not context:
             return Placement()
+        if shared_order is not None:
+            wanted = set(context)
+            ordered = [key for key in dict.fromkeys(shared_order) if key in wanted]
+            placed = set(ordered)
+            ordered += [key for key in context if key not in placed]
+            with self._lock:
+                result = self._index(tenant).insert(ordered, request_id)
+            return Placement(tuple(ordered), tuple(result.path), tuple(result.evicted))
         with self._lock:
             orderer = self._orderer(tenant)
             ordered = self._planned.get(tenant, {}).pop(frozenset(context), None)  # type: ignore[call-overload]

@@ -226,12 +226,19 @@ def make_input(
 def reserve_request(turn_input: TurnInput, config: CpMemoryConfig) -> ReserveRequest:
     """Return what the store must read for this request."""
     pairs = tuple((block.id, digest) for block, digest in zip(turn_input.blocks, turn_input.digests))
+    sizes = None if turn_input.prompt_order is not None else tuple(_size(block) for block in turn_input.blocks)
     return ReserveRequest(
         pairs,
         config.reservation_timeout_s,
         include_transcript=turn_input.history is None,
         history_turns=config.max_history_turns,
+        order_sizes=sizes,
     )
+
+
+def _size(block: Block) -> float:
+    """What the online order weighs a block by: its characters (plus one, so an empty block still counts)."""
+    return float(len(block.text) + 1)
 
 
 def history_view(sent: SentHistory, reservation: Reservation, config: CpMemoryConfig) -> HistoryView:
@@ -413,7 +420,9 @@ def plan_turn(
         placement = indexes.place(tenant, _context(turn_input, order), request_id)
     else:
         keys = _context(turn_input, shown)
-        placement = indexes.order_and_place(tenant, keys, _sizes(turn_input, shown, keys), request_id)
+        placement = indexes.order_and_place(
+            tenant, keys, _sizes(turn_input, shown, keys), request_id, reservation.shared_order
+        )
         order = arrange(turn_input, shown, placement.prefix)
     text, positions, annotated = render_user_message(turn_input, decisions, order, config, labels)
     return PreparedTurn(
@@ -442,7 +451,7 @@ def _context(turn_input: TurnInput, indices: Sequence[int]) -> list[str]:
 
 def _sizes(turn_input: TurnInput, shown: Sequence[int], context: Sequence[str]) -> list[float]:
     """Characters of each content key of ``context`` (what the online order weighs blocks by)."""
-    length = {turn_input.digests[i]: len(turn_input.blocks[i].text) + 1 for i in shown}
+    length = {turn_input.digests[i]: _size(turn_input.blocks[i]) for i in shown}
     return [float(length[key]) for key in context]
 
 
@@ -519,7 +528,20 @@ def commit_record(turn: PreparedTurn, answer: str) -> TurnRecord:
         if d.status in FULL_TEXT_STATUSES
     )
     messages = ({"role": "user", "content": user}, {"role": "assistant", "content": answer})
-    return TurnRecord(messages=messages, shown=shown, search_path=turn.search_path, trim_before=turn.trim_before)
+    return TurnRecord(
+        messages=messages,
+        shown=shown,
+        search_path=turn.search_path,
+        trim_before=turn.trim_before,
+        sent_order=sent_order(turn) if turn.turn == 1 else (),  # later turns start with their own history
+        request_id=turn.request_id,
+    )
+
+
+def sent_order(turn: PreparedTurn) -> tuple[str, ...]:
+    """The content hashes shown in full, in prompt order (what the engine caches after the system prompt)."""
+    digest = {d.block_id: d.content_hash for d in turn.decisions}
+    return tuple(dict.fromkeys(digest[block_id] for block_id in turn.prompt_order if block_id in digest))
 
 
 def turn_counts(turn: PreparedTurn, chars_per_token: float) -> dict[str, int]:

@@ -12,6 +12,7 @@ conversation id)::
     P:{T:C}:paths    list   search path of each stored turn (JSON)
     P:{T:C}:res      zset   open reservation id -> deadline (server ms)
     P:{T:C}:done     zset   committed reservation id -> turn; "x:<id>" -> turn at expiry (expired marker)
+    P:{T}:ord:*      one tenant's shared decision state (the online orderer's trie and counts; see decide.lua)
 
 Seen blocks, ids and the counters share one hash so that ``reserve`` reads all it needs with one ``HMGET``
 (every ``redis.call`` in a script costs a few microseconds). The ``{T:C}`` hash tag puts every key of one conversation in one Redis Cluster slot, so each Lua script touches a
@@ -30,6 +31,7 @@ from cpmemory.types import ConversationKey
 
 DEFAULT_PREFIX = "cpm"
 FIELDS: tuple[str, ...] = ("state", "log", "paths", "res", "done")
+DECISION_FIELDS: tuple[str, ...] = ("cnt", "last", "freq", "first", "reqs", "fifo")
 _PREFIX_PATTERN = re.compile(r"[A-Za-z0-9_.:\-]{1,64}")
 _HASH_BYTES = 16
 
@@ -91,6 +93,12 @@ class KeyScheme:
         """The key names of one conversation."""
         base = f"{self.prefix}:{{{self.tag(key)}}}:"
         return ConversationKeys(*(base + name for name in FIELDS))
+
+    def decision_keys(self, tenant: str) -> tuple[str, ...]:
+        """The keys of one tenant's shared decision state (``decide.lua``'s ``KEYS``), one hash tag per tenant:
+        ``P:{T}:ord:cnt|last|freq|first|reqs|fifo``. Pure."""
+        base = f"{self.prefix}:{{{_digest(b'cpm-tenant', tenant)}}}:ord:"
+        return tuple(base + name for name in DECISION_FIELDS)
 
     def pattern(self) -> str:
         """A SCAN pattern matching every key under this prefix (for cleanup tools and tests)."""

@@ -17,6 +17,7 @@ Clients must be created with ``decode_responses=False`` (the default): ids are b
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import json
 import os
@@ -45,9 +46,10 @@ from cpmemory.stores.base import (
     SeenBlock,
     TurnRecord,
 )
+from cpmemory.stores.decisions import DecisionCodec, DecisionLimits, distinct_sizes
 from cpmemory.stores.keys import DEFAULT_PREFIX, KeyScheme, check_prefix, decode_text, encode_text
 
-SCRIPT_NAMES: tuple[str, ...] = ("reserve", "commit", "abort", "load")
+SCRIPT_NAMES: tuple[str, ...] = ("reserve", "commit", "abort", "load", "decide")
 _UNKNOWN, _EXPIRED = -1, -2
 
 
@@ -337,6 +339,45 @@ class DirectScriptRunner:
             return reply
         raise AssertionError("unreachable")  # pragma: no cover
 
+    def run_many(self, calls: Sequence[ScriptCall]) -> list[Any]:
+        """Run several script calls in one round trip (one write, then the replies in order).
+
+        A reply that is an error is returned as the exception (the caller decides); a ``NOSCRIPT`` reply loads
+        that script and runs its call again on the same connection (the first time a server sees the script).
+        """
+        for attempt in range(self._attempts):
+            connection = self._checkout()
+            try:
+                replies = self._pipelined(connection, calls)
+            except BaseException as error:
+                connection.disconnect()
+                self._pool.release(connection)
+                if isinstance(error, self._retryable) and attempt + 1 < self._attempts:
+                    continue
+                raise
+            self._idle.append(connection)
+            return replies
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _pipelined(self, connection: Any, calls: Sequence[ScriptCall]) -> list[Any]:
+        from redis.exceptions import ResponseError
+
+        packed = [("EVALSHA", self._scripts[c.script].sha, len(c.keys), *c.keys, *c.args) for c in calls]
+        connection.send_packed_command(connection.pack_commands(packed))
+        replies: list[Any] = []
+        for _ in calls:
+            try:
+                replies.append(connection.read_response())
+            except ResponseError as error:  # NoScriptError is one; the other replies are still read
+                replies.append(error)
+        for position, (call, reply) in enumerate(zip(calls, replies)):
+            if isinstance(reply, self._no_script):
+                try:
+                    replies[position] = self._evalsha(connection, self._scripts[call.script], call)
+                except ResponseError as error:
+                    replies[position] = error
+        return replies
+
     def _checkout(self) -> Any:
         if self._pid != os.getpid():  # never share a parent's sockets
             self._idle, self._pid = _idle_stack(self._pool), os.getpid()
@@ -397,6 +438,9 @@ class _RedisStoreBase:
         self.config = config or RedisStoreConfig()
         self.client = client
         self._codec = RedisSessionCodec(self.config)
+        self._decisions = DecisionCodec(
+            self._codec.keys, DecisionLimits(ttl_ms=self._codec.ttl_ms)
+        )
         self._errors = _redis_errors()
         # register_script only hashes the text locally (no IO); the first EVALSHA loads it on NOSCRIPT.
         self._scripts = {name: client.register_script(text) for name, text in load_script_sources().items()}
@@ -440,15 +484,61 @@ class RedisSessionStore(_RedisStoreBase):
                 return self._direct(call)
             return self._scripts[call.script](keys=call.keys, args=call.args)
 
+    def _run_many(self, calls: Sequence[ScriptCall]) -> list[Any]:
+        """Several calls in one round trip (a pipeline); error replies come back as exceptions."""
+        with _unavailable_on_failure(self._errors, "+".join(call.script for call in calls)):
+            if self._direct is not None:
+                replies = self._direct.run_many(calls)
+            else:
+                pipe = self.client.pipeline(transaction=False)
+                for call in calls:
+                    self._scripts[call.script](keys=call.keys, args=call.args, client=pipe)
+                replies = pipe.execute(raise_on_error=False)
+        if isinstance(replies[0], Exception):
+            raise StoreUnavailableError(f"redis {calls[0].script} failed: {replies[0]}") from replies[0]
+        return replies
+
     def reserve(self, key: ConversationKey, request: ReserveRequest) -> Reservation:
-        """Record a reservation and return the committed state the request needs. One round trip; mutates."""
+        """Record a reservation and return the committed state the request needs. One round trip; mutates.
+
+        With ``request.order_sizes`` the tenant's shared decision state orders the request in the same round trip
+        (``Reservation.shared_order``; None when that part failed: the caller orders locally).
+        """
         reservation_id = new_reservation_id()
-        reply = self._run(self._codec.reserve_call(key, request, reservation_id))
-        return self._codec.parse_reserve(reply, request, reservation_id)
+        call = self._codec.reserve_call(key, request, reservation_id)
+        if request.order_sizes is None:
+            return self._codec.parse_reserve(self._run(call), request, reservation_id)
+        hashes, sizes = distinct_sizes(request.blocks, request.order_sizes)
+        order = ScriptCall(*self._decisions.order_call(key.tenant, hashes, sizes))
+        reply, ordered = self._run_many([call, order])
+        reservation = self._codec.parse_reserve(reply, request, reservation_id)
+        if isinstance(ordered, Exception):
+            return reservation
+        return dataclasses.replace(reservation, shared_order=self._decisions.parse_order(ordered))
 
     def commit(self, key: ConversationKey, reservation_id: str, record: TurnRecord) -> int:
-        """Make the reserved turn durable; idempotent per reservation. One round trip; mutates."""
-        return self._codec.parse_commit(self._run(self._codec.commit_call(key, reservation_id, record)), reservation_id)
+        """Make the reserved turn durable; idempotent per reservation. One round trip; mutates.
+
+        With ``record.sent_order`` the order sent is recorded in the tenant's shared decision state in the same
+        round trip.
+        """
+        call = self._codec.commit_call(key, reservation_id, record)
+        if not record.sent_order or not record.request_id:
+            return self._codec.parse_commit(self._run(call), reservation_id)
+        recorded = ScriptCall(*self._decisions.record_call(key.tenant, record.sent_order, record.request_id))
+        reply, _ = self._run_many([call, recorded])
+        return self._codec.parse_commit(reply, reservation_id)
+
+    def decide_order(self, tenant: str, hashes: Sequence[str], sizes: Sequence[float], request_id: str) -> list[str]:
+        """Order and record a request outside any conversation in the tenant's shared state. One round trip."""
+        call = ScriptCall(*self._decisions.order_call(tenant, hashes, sizes, request_id, record=True))
+        return list(self._decisions.parse_order(self._run(call)))
+
+    def evict_decisions(self, tenant: str, request_ids: Sequence[str]) -> int:
+        """Take evicted requests off the tenant's shared decision state. One round trip."""
+        if not request_ids:
+            return 0
+        return int(self._run(ScriptCall(*self._decisions.evict_call(tenant, list(request_ids)))))
 
     def abort(self, key: ConversationKey, reservation_id: str) -> bool:
         """Release a reservation; False if it was not open. One round trip; mutates."""
@@ -510,16 +600,51 @@ class AsyncRedisSessionStore(_RedisStoreBase):
                 await self._initialize_once()
             return await self._scripts[call.script](keys=call.keys, args=call.args)
 
+    async def _run_many(self, calls: Sequence[ScriptCall]) -> list[Any]:
+        """Several calls in one round trip (a pipeline); error replies come back as exceptions."""
+        with _unavailable_on_failure(self._errors, "+".join(call.script for call in calls)):
+            if not self._initialized:
+                await self._initialize_once()
+            pipe = self.client.pipeline(transaction=False)
+            for call in calls:
+                await self._scripts[call.script](keys=call.keys, args=call.args, client=pipe)
+            replies = await pipe.execute(raise_on_error=False)
+        if isinstance(replies[0], Exception):
+            raise StoreUnavailableError(f"redis {calls[0].script} failed: {replies[0]}") from replies[0]
+        return replies
+
     async def reserve(self, key: ConversationKey, request: ReserveRequest) -> Reservation:
-        """Record a reservation and return the committed state the request needs. One round trip; mutates."""
+        """Record a reservation and return the committed state the request needs. One round trip; mutates.
+
+        See :meth:`RedisSessionStore.reserve` (``order_sizes``: the shared order in the same round trip).
+        """
         reservation_id = new_reservation_id()
-        reply = await self._run(self._codec.reserve_call(key, request, reservation_id))
-        return self._codec.parse_reserve(reply, request, reservation_id)
+        call = self._codec.reserve_call(key, request, reservation_id)
+        if request.order_sizes is None:
+            return self._codec.parse_reserve(await self._run(call), request, reservation_id)
+        hashes, sizes = distinct_sizes(request.blocks, request.order_sizes)
+        order = ScriptCall(*self._decisions.order_call(key.tenant, hashes, sizes))
+        reply, ordered = await self._run_many([call, order])
+        reservation = self._codec.parse_reserve(reply, request, reservation_id)
+        if isinstance(ordered, Exception):
+            return reservation
+        return dataclasses.replace(reservation, shared_order=self._decisions.parse_order(ordered))
 
     async def commit(self, key: ConversationKey, reservation_id: str, record: TurnRecord) -> int:
-        """Make the reserved turn durable; idempotent per reservation. One round trip; mutates."""
-        reply = await self._run(self._codec.commit_call(key, reservation_id, record))
+        """Make the reserved turn durable; idempotent per reservation. One round trip; mutates (and records the
+        order sent in the tenant's shared decision state, see :meth:`RedisSessionStore.commit`)."""
+        call = self._codec.commit_call(key, reservation_id, record)
+        if not record.sent_order or not record.request_id:
+            return self._codec.parse_commit(await self._run(call), reservation_id)
+        recorded = ScriptCall(*self._decisions.record_call(key.tenant, record.sent_order, record.request_id))
+        reply, _ = await self._run_many([call, recorded])
         return self._codec.parse_commit(reply, reservation_id)
+
+    async def evict_decisions(self, tenant: str, request_ids: Sequence[str]) -> int:
+        """Take evicted requests off the tenant's shared decision state. One round trip."""
+        if not request_ids:
+            return 0
+        return int(await self._run(ScriptCall(*self._decisions.evict_call(tenant, list(request_ids)))))
 
     async def abort(self, key: ConversationKey, reservation_id: str) -> bool:
         """Release a reservation; False if it was not open. One round trip; mutates."""

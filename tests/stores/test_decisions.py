@@ -1,0 +1,131 @@
+"""The shared decision state in Redis: K facades decide as one, a restart resumes, the Lua orderer is the Python one,
+2 round trips per request, evictions and bounds, tenants apart."""
+from __future__ import annotations
+
+import asyncio
+import random
+import uuid
+
+import pytest
+
+from cpmemory.core import online
+from cpmemory.core.online import OnlineOrderer
+from cpmemory.facade import AsyncCpMemory, CpMemory
+from cpmemory.stores.decisions import DecisionLimits
+from cpmemory.stores.redis_store import AsyncRedisSessionStore, RedisSessionStore, RedisStoreConfig
+
+from .conftest import redis_url
+
+redis = pytest.importorskip("redis")
+pytestmark = pytest.mark.redis
+
+TEXTS = {i: f"Document {i}: " + "word " * (4 + (7 * i) % 23) for i in range(40)}
+
+
+def blocks(*ids):
+    return [{"id": str(i), "text": TEXTS[i]} for i in ids]
+
+
+@pytest.fixture
+def prefix():
+    name = f"cpmtest-dec-{uuid.uuid4().hex[:10]}"
+    yield name
+    client = redis.Redis.from_url(redis_url())
+    for key in client.scan_iter(f"{name}:*"):
+        client.delete(key)
+    client.close()
+
+
+def facade(prefix: str) -> CpMemory:
+    return CpMemory(store=RedisSessionStore.from_url(redis_url(), RedisStoreConfig(prefix=prefix)))
+
+
+def test_the_limits_match_the_python_orderer():
+    assert DecisionLimits().match_budget == online.MATCH_BUDGET
+    assert DecisionLimits().recency_scale == online.RECENCY_SCALE
+
+
+def test_two_facades_on_one_redis_decide_as_one_and_a_new_one_resumes(prefix):
+    first, second = facade(prefix), facade(prefix)
+    turn = first.prepare("a", "q", blocks(3, 1, 2))
+    first.commit(turn, "x")
+    other = second.prepare("b", "q", blocks(7, 2, 1, 3))
+    assert other.prompt_order[:3] == turn.prompt_order  # decided from the first facade's order
+    second.commit(other, "x")
+    restarted = facade(prefix)
+    again = restarted.prepare("c", "q", blocks(1, 9, 3, 7, 2))
+    assert again.prompt_order[:4] == other.prompt_order
+    restarted.commit(again, "x")
+    restarted.prepare("d", "q", blocks(7, 2, 1, 3), tenant="someone-else")
+    scheme = restarted.store.key_scheme
+    client = redis.Redis.from_url(redis_url())
+    assert client.hget(scheme.decision_keys("someone-else")[2], "#seen") == b"1"  # its own, fresh state
+    assert client.hget(scheme.decision_keys("default")[2], "#seen") == b"3"
+    assert not set(scheme.decision_keys("someone-else")) & set(scheme.decision_keys("default"))
+    client.close()
+
+
+def test_the_lua_orderer_gives_the_python_orderer_s_orders(prefix):
+    rng = random.Random(5)
+    store = RedisSessionStore.from_url(redis_url(), RedisStoreConfig(prefix=prefix))
+    local = OnlineOrderer()
+    for number in range(120):
+        ids = rng.sample(range(40), rng.randint(1, 8))
+        keys = [f"k{i:02d}" for i in ids]
+        sizes = [float(len(TEXTS[i]) + 1) for i in ids]
+        local.observe(keys)
+        expected = local.order(keys, sizes)
+        local.record(expected, f"r{number}")
+        assert store.decide_order("t", keys, sizes, f"r{number}") == expected, number
+        if number % 7 == 3:
+            local.evict(f"r{number - 2}")
+            store.evict_decisions("t", [f"r{number - 2}"])
+
+
+def test_a_request_costs_two_round_trips_in_all(prefix):
+    sends = []
+
+    class Counting(redis.Connection):
+        def send_packed_command(self, command, check_health=True):
+            sends.append(1)
+            super().send_packed_command(command, check_health)
+
+    pool = redis.ConnectionPool.from_url(redis_url(), connection_class=Counting)
+    memory = CpMemory(store=RedisSessionStore(redis.Redis(connection_pool=pool), RedisStoreConfig(prefix=prefix)))
+    memory.commit(memory.prepare("warm", "q", blocks(1, 2)), "a")  # the scripts are loaded once per server
+    sends.clear()
+    turn = memory.prepare("c", "q", blocks(4, 5, 6))
+    assert len(sends) == 1
+    memory.commit(turn, "a")
+    assert len(sends) == 2
+
+
+def test_evictions_and_the_bound_take_requests_off_the_shared_state(prefix):
+    store = RedisSessionStore.from_url(redis_url(), RedisStoreConfig(prefix=prefix))
+    store._decisions = type(store._decisions)(store._decisions.keys, DecisionLimits(max_requests=2))
+    store.decide_order("t", ["a", "b"], [1.0, 1.0], "r1")
+    assert store.decide_order("t", ["b", "a", "z"], [1.0, 1.0, 1.0], "")[:2] == ["a", "b"]
+    assert store.evict_decisions("t", ["r1"]) == 1 and store.evict_decisions("t", ["r1"]) == 0
+    client = redis.Redis.from_url(redis_url())
+    counts = client.hgetall(store.key_scheme.decision_keys("t")[0])
+    assert not counts  # every node of the evicted path is gone
+    for number in range(5):
+        store.decide_order("t", [f"x{number}"], [1.0], f"q{number}")
+    assert client.hlen(store.key_scheme.decision_keys("t")[4]) == 2  # only the last max_requests are kept
+    client.close()
+
+
+def test_the_async_facade_shares_the_same_state(prefix):
+    sync = facade(prefix)
+    turn = sync.prepare("a", "q", blocks(11, 12, 13))
+    sync.commit(turn, "x")
+
+    async def run():
+        memory = AsyncCpMemory(store=AsyncRedisSessionStore.from_url(redis_url(), RedisStoreConfig(prefix=prefix)))
+        other = await memory.prepare("b", "q", blocks(13, 12, 11, 14))
+        await memory.commit(other, "x")
+        await memory.store.close()
+        return other
+
+    other = asyncio.run(run())
+    assert other.prompt_order[:3] == turn.prompt_order
