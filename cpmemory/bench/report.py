@@ -16,7 +16,7 @@ from rich.table import Table
 from cpmemory.errors import MissingDependencyError
 
 if TYPE_CHECKING:
-    from cpmemory.bench.replay import ReplayReport
+    from cpmemory.bench.results import ReplayReport
 
 
 def stderr_console() -> Console:

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Iterator, Sequence
 
+from cpmemory.errors import IndexIntegrityError
+
 
 class IndexNode:
     """One node of the context index (mutable; owned by a single :class:`~cpmemory.core.index.ContextIndex`).
@@ -169,3 +171,44 @@ def aligned(
     if prefix_set is None:
         prefix_set = set(prefix)
     return (*prefix, *[key for key in keys if key not in prefix_set])
+
+
+def render_tree(root: IndexNode, node_count: int, max_nodes: int = 200) -> str:
+    """A readable indented rendering of the tree under ``root`` (first ``max_nodes`` nodes, pre-order). Pure."""
+    lines: list[str] = []
+    stack: list[tuple[IndexNode, int]] = [(root, 0)]
+    while stack and len(lines) < max_nodes:
+        node, depth = stack.pop()
+        blocks = ", ".join(map(str, node.content[:12])) + (", ..." if len(node.content) > 12 else "")
+        kind = f"leaf x{node.frequency}" if node.request_ids is not None else f"{len(node.children)} children"
+        label = "root" if node is root else f"[{node.slot}]"
+        lines.append(f"{'  ' * depth}{label} #{node.node_id} {{{blocks}}} ({kind}, hits {node.access_count})")
+        stack.extend((child, depth + 1) for child in reversed(list(node.children.values())))
+    if stack:
+        lines.append(f"... ({node_count - len(lines)} more nodes)")
+    return "\n".join(lines)
+
+
+def check_node(node: IndexNode, is_root: bool) -> None:
+    """Local invariants of one node: links, alignment, contents, inverted index."""
+    where = f"node {node.node_id}"
+    if len(node.content_set) != len(node.content) or node.content_set != frozenset(node.content):
+        raise IndexIntegrityError(f"{where}: content has repeats or its set is stale")
+    if is_root and (node.parent is not None or node.content or node.request_ids is not None):
+        raise IndexIntegrityError("the root must be an internal node with no parent and no content")
+    if node.request_ids is not None and (node.children or not node.request_ids):
+        raise IndexIntegrityError(f"{where}: a leaf must have requests and no children")
+    if node.request_ids is None and not is_root and not node.children:
+        raise IndexIntegrityError(f"{where}: an internal node without children")
+    expected: dict[Hashable, dict[int, int]] = {}
+    for slot, child in node.children.items():
+        if child.parent is not node or child.slot != slot or slot >= node.next_slot:
+            raise IndexIntegrityError(f"{where}: child {child.node_id} has broken parent/slot links")
+        if child.content[: len(node.content)] != node.content:
+            raise IndexIntegrityError(
+                f"{where}: child {child.node_id} does not start with its parent's content"
+            )
+        for position in range(len(node.content), len(child.content)):
+            expected.setdefault(child.content[position], {})[slot] = position
+    if node.child_index is not None and expected != node.child_index:
+        raise IndexIntegrityError(f"{where}: the inverted index of the children is stale")

@@ -30,7 +30,7 @@ from collections.abc import Hashable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
 
 from cpmemory.core._index_build import BuildOptions, NodeIds, assemble, cluster
-from cpmemory.core._index_node import IndexNode, aligned
+from cpmemory.core._index_node import IndexNode, aligned, check_node, render_tree
 from cpmemory.core.distance import DEFAULT_ALPHA, encode_contexts
 from cpmemory.errors import IndexIntegrityError, InvalidInputError
 
@@ -455,7 +455,7 @@ class ContextIndex:
         """Verify every invariant; raise IndexIntegrityError on the first violation. O(total content). Pure."""
         seen_leaves: dict[int, IndexNode] = {}
         for node in self._root.iter_subtree():
-            _check_node(node, node is self._root)
+            check_node(node, node is self._root)
             if self._nodes.get(node.node_id) is not node:
                 raise IndexIntegrityError(f"node {node.node_id} is in the tree but not in the node map")
             if node.request_ids is not None:
@@ -478,24 +478,7 @@ class ContextIndex:
 
     def render(self, max_nodes: int = 200) -> str:
         """A readable indented rendering of the tree (first ``max_nodes`` nodes, pre-order). Pure."""
-        lines: list[str] = []
-        stack: list[tuple[IndexNode, int]] = [(self._root, 0)]
-        while stack and len(lines) < max_nodes:
-            node, depth = stack.pop()
-            blocks = ", ".join(map(str, node.content[:12])) + (", ..." if len(node.content) > 12 else "")
-            kind = (
-                f"leaf x{node.frequency}"
-                if node.request_ids is not None
-                else f"{len(node.children)} children"
-            )
-            label = "root" if node is self._root else f"[{node.slot}]"
-            lines.append(
-                f"{'  ' * depth}{label} #{node.node_id} {{{blocks}}} ({kind}, hits {node.access_count})"
-            )
-            stack.extend((child, depth + 1) for child in reversed(list(node.children.values())))
-        if stack:
-            lines.append(f"... ({len(self._nodes) - len(lines)} more nodes)")
-        return "\n".join(lines)
+        return render_tree(self._root, len(self._nodes), max_nodes)
 
 
 def _trail_to(node: IndexNode) -> list[IndexNode]:
@@ -504,28 +487,3 @@ def _trail_to(node: IndexNode) -> list[IndexNode]:
     while trail[-1].parent is not None:
         trail.append(trail[-1].parent)
     return trail[::-1]
-
-
-def _check_node(node: IndexNode, is_root: bool) -> None:
-    """Local invariants of one node: links, alignment, contents, inverted index."""
-    where = f"node {node.node_id}"
-    if len(node.content_set) != len(node.content) or node.content_set != frozenset(node.content):
-        raise IndexIntegrityError(f"{where}: content has repeats or its set is stale")
-    if is_root and (node.parent is not None or node.content or node.request_ids is not None):
-        raise IndexIntegrityError("the root must be an internal node with no parent and no content")
-    if node.request_ids is not None and (node.children or not node.request_ids):
-        raise IndexIntegrityError(f"{where}: a leaf must have requests and no children")
-    if node.request_ids is None and not is_root and not node.children:
-        raise IndexIntegrityError(f"{where}: an internal node without children")
-    expected: dict[Hashable, dict[int, int]] = {}
-    for slot, child in node.children.items():
-        if child.parent is not node or child.slot != slot or slot >= node.next_slot:
-            raise IndexIntegrityError(f"{where}: child {child.node_id} has broken parent/slot links")
-        if child.content[: len(node.content)] != node.content:
-            raise IndexIntegrityError(
-                f"{where}: child {child.node_id} does not start with its parent's content"
-            )
-        for position in range(len(node.content), len(child.content)):
-            expected.setdefault(child.content[position], {})[slot] = position
-    if node.child_index is not None and expected != node.child_index:
-        raise IndexIntegrityError(f"{where}: the inverted index of the children is stale")
