@@ -319,7 +319,6 @@ def run_online(trace: Trace, prepared: Sequence[PreparedRequest], system_prompt:
     With ``workers`` the product runs as that many facades on one Redis (``redis_url``, else a throw-away local
     ``redis-server`` for the run), under a fresh key prefix.
     """
-    from cpmemory.bench.simulator import PrefixCacheSimulator
 
     check_window(window)
     if workers is not None:

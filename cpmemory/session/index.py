@@ -108,7 +108,7 @@ class TenantIndexes:
             return Placement(tuple(ordered), tuple(result.path), tuple(result.evicted))
         with self._lock:
             orderer = self._orderer(tenant)
-            ordered = self._planned.get(tenant, {}).pop(frozenset(context), None)  # type: ignore[call-overload]
+            ordered = self._planned.get(tenant, {}).pop(frozenset(context), None)  # type: ignore[arg-type, call-overload]
             if ordered is None:  # not planned in a window: order it now
                 orderer.observe(context)
                 ordered = orderer.order(context, sizes)
