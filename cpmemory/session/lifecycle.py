@@ -268,12 +268,12 @@ class FacadeCore:
         request_ids = list(request_ids)
         if not all(isinstance(request_id, str) for request_id in request_ids):
             raise InvalidInputError("request_ids must be strings")
-        removed = self._indexes.evict(tenant, request_ids)
+        removed = self._indexes.evict(_tenant(tenant), request_ids)
         self.counters.add(index_evictions=removed)
         return removed
 
     def _reset_index(self, tenant: str | None) -> None:
-        self._indexes.reset(tenant)
+        self._indexes.reset(None if tenant is None else _tenant(tenant))
 
     def index_evictor(self) -> IndexEvictor:
         """A synchronous view of the index maintenance (``evict``, ``reset_index``), safe to call from another
@@ -282,11 +282,11 @@ class FacadeCore:
 
     def check_index(self, tenant: str = "default") -> None:
         """Check the tenant's index invariants (raises IndexIntegrityError on corruption; for tests and tools)."""
-        self._indexes.check_integrity(tenant)
+        self._indexes.check_integrity(_tenant(tenant))
 
     def index_size(self, tenant: str = "default") -> int:
         """Number of requests in the tenant's index."""
-        return self._indexes.size(tenant)
+        return self._indexes.size(_tenant(tenant))
 
 
 class IndexEvictor:
@@ -305,6 +305,11 @@ class IndexEvictor:
     def reset_index(self, tenant: str | None = None) -> None:
         """Drop one tenant's index (or all of them)."""
         self._core._reset_index(tenant)
+
+
+def _tenant(tenant: Any) -> str:
+    """``tenant``, validated like a conversation's (InvalidIdentifierError)."""
+    return ConversationKey(tenant, "index").tenant
 
 
 class _NoIndex(TenantIndexes):

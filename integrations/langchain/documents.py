@@ -181,4 +181,8 @@ class PromptInput:
         for rank, document in enumerate(documents):
             if not isinstance(document, Document):
                 raise InvalidInputError(f"document #{rank} is a {type(document).__name__}, not a Document")
+        if history is not None and not (
+            isinstance(history, (list, tuple)) and all(isinstance(message, BaseMessage) for message in history)
+        ):
+            raise InvalidInputError("'history' must be a list of LangChain messages")
         return cls(tuple(documents), question, None if history is None else tuple(history))

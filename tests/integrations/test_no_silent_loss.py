@@ -160,3 +160,26 @@ def test_item10_langchain_commit_errors_keep_the_turn() -> None:
     with pytest.raises(InvalidInputError):
         retriever.commit(object(), config)
     assert retriever.abort(config) is True and _open_reservations(memory, "t10") == 0
+
+
+@pytest.mark.parametrize("junk", [None, 5, 2.5, b"x", [1], {"a": 1}, object()])
+def test_adapters_raise_only_typed_errors_on_bad_input(junk: Any) -> None:
+    from cpmemory.errors import CpMemoryError
+
+    wrapper = CpMemoryMem0(CannedMem0([{"id": "a", "memory": "A memory."}]), CpMemory())
+    prompt = CpMemoryPromptRunnable(CpMemory())
+    calls = [
+        lambda: wrapper.search(junk, conversation_id="c"),
+        lambda: wrapper.search("q", conversation_id="c", history=junk),
+        lambda: wrapper.commit(junk, conversation_id="c"),
+        lambda: prompt.invoke(junk, _thread("t")),
+        lambda: prompt.invoke({"documents": junk, "question": "q"}, _thread("t")),
+        lambda: prompt.invoke({"documents": [], "question": junk}, _thread("t")),
+        lambda: prompt.invoke({"documents": [], "question": "q", "history": junk}, _thread("t")),
+        lambda: prompt.commit(junk, _thread("t")),
+    ]
+    for call in calls:
+        try:
+            call()
+        except CpMemoryError:
+            pass
