@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import pytest
@@ -179,7 +180,5 @@ def test_adapters_raise_only_typed_errors_on_bad_input(junk: Any) -> None:
         lambda: prompt.commit(junk, _thread("t")),
     ]
     for call in calls:
-        try:
+        with contextlib.suppress(CpMemoryError):  # anything else fails the test
             call()
-        except CpMemoryError:
-            pass

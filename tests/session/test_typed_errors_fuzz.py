@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 from hypothesis import HealthCheck, given, settings
@@ -41,7 +42,5 @@ CALLS = [
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.sampled_from(range(len(CALLS))), junk)
 def test_bad_input_raises_only_typed_errors(which: int, value: Any) -> None:
-    try:
+    with contextlib.suppress(CpMemoryError):  # anything else (TypeError, KeyError, ...) fails the test
         CALLS[which](CpMemory(), value)
-    except CpMemoryError:
-        pass
