@@ -225,7 +225,7 @@ class ProxyService:
         """Replan (tighter) until the engine's own count of the prompt fits ``budget``; PromptBudgetError if not."""
         assert self.engine_budget is not None
         for _ in range(MAX_REPLANS + 1):
-            planned = getattr(prepared, "prompt_tokens", 0) or budget
+            planned = prepared.prompt_tokens or budget
             if not self.engine_budget.should_count(request.model, planned, budget):
                 return prepared
             count = await self.engine_budget.count(request.model, prepared.messages)
@@ -384,7 +384,7 @@ class ProxyService:
             "failovers": failovers, "decisions": decisions, "cached_tokens": cached_tokens,
             "prompt_tokens": prompt_tokens, "tokens_deduplicated": deduplicated, "degraded": degraded,
             "committed": committed, "overhead_ms": round(max(0.0, overhead_s) * 1000, 3),
-            "prompt_budget": getattr(prepared, "budget", None),
+            "prompt_budget": prepared.budget,
         }
 
     def _count_engine(self, decision: RouteDecision, failovers: int, usage: Any, hint: RouteHint = NO_HINT) -> None:
