@@ -220,7 +220,8 @@ def _apply(conversation: _Conversation, reservation_id: str, record: TurnRecord,
 
 
 def _trim(conversation: _Conversation, upto: int) -> None:
-    """Drop the stored turns numbered up to ``upto`` and the seen / id entries last shown in them."""
+    """Drop the stored turns numbered up to ``upto``, the seen entries last shown in them, and the id entries whose
+    (id, text) no stored turn shows any more."""
     base = conversation.turns - len(conversation.transcript)
     drop = upto - base
     if drop <= 0:
@@ -231,8 +232,10 @@ def _trim(conversation: _Conversation, upto: int) -> None:
             seen = conversation.seen.get(content_hash)
             if seen is not None and seen.turn == dropped_turn:
                 del conversation.seen[content_hash]
-                if conversation.ids.get(block_id) == content_hash:
-                    del conversation.ids[block_id]
+                seen = None
+            # the id's entry goes unless a stored turn still shows this text under this id
+            if conversation.ids.get(block_id) == content_hash and (seen is None or seen.block_id != block_id):
+                del conversation.ids[block_id]
     del conversation.transcript[:drop], conversation.shown[:drop], conversation.search_paths[:drop]
 
 

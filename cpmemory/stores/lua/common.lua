@@ -83,8 +83,17 @@ local function split_prefixed(payload)
   return out
 end
 
+-- The block id of a seen payload "<turn>:<label byte length>:<label><block id>".
+local function seen_block_id(payload)
+  local _, after_turn = string.find(payload, '^%d+:')
+  local size_end = string.find(payload, ':', after_turn + 1, true)
+  local size = tonumber(string.sub(payload, after_turn + 1, size_end - 1))
+  return string.sub(payload, size_end + 1 + size)
+end
+
 -- Drop the stored turns beyond `cap` and up to `trim_before` (never `turn`, the one just appended) from the log and
--- the paths, with the seen entries last shown in a dropped turn and the ids pointing at them. O(dropped blocks).
+-- the paths, with the seen entries last shown in a dropped turn and the id entries whose (id, text) no stored turn
+-- shows any more. O(dropped blocks).
 local function trim_turns(turn, cap, trim_before)
   local base = turn - redis.call('LLEN', KEYS[2])
   local upto = math.max(turn - cap, math.min(trim_before, turn - 1))
@@ -99,9 +108,12 @@ local function trim_turns(turn, cap, trim_before)
         local seen = redis.call('HGET', KEYS[1], names[i])
         if seen and tonumber(string.match(seen, '^(%d+):')) == t then
           redis.call('HDEL', KEYS[1], names[i])
-          if redis.call('HGET', KEYS[1], names[i + 1]) == string.sub(names[i], 3) then
-            redis.call('HDEL', KEYS[1], names[i + 1])
-          end
+          seen = false
+        end
+        -- the id's entry goes unless a stored turn still shows this text under this id
+        if redis.call('HGET', KEYS[1], names[i + 1]) == string.sub(names[i], 3)
+            and (not seen or seen_block_id(seen) ~= string.sub(names[i + 1], 3)) then
+          redis.call('HDEL', KEYS[1], names[i + 1])
         end
       end
       redis.call('HDEL', KEYS[1], 't:' .. t)
