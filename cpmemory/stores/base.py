@@ -25,8 +25,9 @@ Bounded transcript (flat reads):
   * ``reserve`` returns only the stored turns after ``max(trimmed turns, window_start(turns, history_turns))``
     (``Reservation.transcript_start``), with the message count of each (``turn_sizes``): O(window) bytes.
   * ``commit`` drops, in the same atomic step, the oldest turns beyond ``max_transcript_turns`` and every turn up to
-    ``TurnRecord.trim_before``, together with the seen entries (and the id entries pointing at them) that were last
-    shown in a dropped turn: a block whose text left the store is never referenced again, it is resent.
+    ``TurnRecord.trim_before``, together with the seen entries last shown in a dropped turn and the id entries whose
+    (id, text) no stored turn shows any more: a block whose text left the store is never referenced again, it is
+    resent.
 """
 from __future__ import annotations
 
