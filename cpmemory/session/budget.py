@@ -15,7 +15,8 @@ total, 0.97 on the worst text), its SentencePiece v1/v3 (Llama-2 style: 0.54 in 
 WordPiece (all-MiniLM-L6-v2: 0.48 in total, 0.87 worst), so a budget
 is used at about half its size on English prose. Random letter soup ("Sdyy") can take up to 3x the estimate under
 any tokenizer, and the 8K-vocabulary test model (the ``.ci`` tiny model) reaches 1.23x on 53 short proper-name
-texts (0.69 in total; whole prompts stay within the estimate plus the per-message overhead): for those, count with
+texts (0.69 in total; with its chat template it counts up to 1.11x the planned size of `bench conversation`'s
+prompts of made-up words, where tekken and SentencePiece count 0.83x and 0.92x): for those, count with
 the engine's tokenizer or with :func:`utf8_bytes` (a strict bound for any byte-level BPE).
 ``scripts/check_token_estimate.py`` reruns the comparison.
 """
