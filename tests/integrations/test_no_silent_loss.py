@@ -182,3 +182,19 @@ def test_adapters_raise_only_typed_errors_on_bad_input(junk: Any) -> None:
     for call in calls:
         with contextlib.suppress(CpMemoryError):  # anything else fails the test
             call()
+
+
+async def test_item10_async_mem0_commit_with_a_bad_answer_keeps_the_turn() -> None:
+    from cpmemory.facade import AsyncCpMemory
+    from integrations.mem0 import AsyncCpMemoryMem0
+
+    class AsyncCanned:
+        async def search(self, query: str, **kwargs: Any) -> Any:
+            return [{"id": "a", "memory": "A memory."}, {"id": "a", "memory": "Another memory."}]
+
+    wrapper = AsyncCpMemoryMem0(AsyncCanned(), AsyncCpMemory())
+    found = await wrapper.search("q", conversation_id="r")
+    assert len({item["cpmemory"]["label"] for item in found}) == 2
+    with pytest.raises(InvalidInputError):
+        await wrapper.commit(None, conversation_id="r")  # type: ignore[arg-type]
+    assert await wrapper.commit("fine", conversation_id="r") == 1
