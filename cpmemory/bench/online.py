@@ -18,6 +18,11 @@ what arrived so far; the prompts run through a fresh ``PrefixCacheSimulator`` (t
   integrations call it; W>1: ``CpMemory.release_order`` (the proxy's hold-and-release order) first.
 
 ``gain_share`` = (hit rate - online ``original``) / (offline ``cpmemory`` - ``original``), same run.
+
+With ``fleet`` (``--replicas N [--router prefix|affinity]``), each strategy runs on N simulated caches of
+``capacity / N`` behind the product's router instead of one cache (:mod:`cpmemory.bench.replicas`); every strategy
+then also reports ``replica_load_max_over_mean`` and a ``replicas`` object (per-replica requests and hit rates,
+route decisions by reason). A multi-turn session is the router's conversation key (its later turns are sticky).
 """
 from __future__ import annotations
 
@@ -255,6 +260,8 @@ class OnlineReport:
     offline_original: float
     gain_shares: dict[str, float] = field(default_factory=dict)
     workers: int | None = None
+    fleet: Any = None  # FleetSettings when the strategies ran on several replicas
+    fleets: dict[str, Any] = field(default_factory=dict)  # strategy -> FleetReport
 
     def to_json(self) -> dict[str, Any]:
         """The ``"online"`` object of the replay JSON."""
@@ -262,8 +269,13 @@ class OnlineReport:
         for name, result in self.results.items():
             summary = result.summary()
             summary["gain_share"] = round(self.gain_shares.get(name, 0.0), 4)
+            if name in self.fleets:
+                replicas = self.fleets[name].to_json()
+                summary["replica_load_max_over_mean"] = replicas["load_max_over_mean"]
+                summary["replicas"] = replicas
             out[name] = summary
-        return {"window": self.window, "workers": self.workers,
+        extra = {} if self.fleet is None else {"replicas": self.fleet.replicas, "router": self.fleet.router}
+        return {"window": self.window, "workers": self.workers, **extra,
                 "offline_cpmemory_hit_rate": round(self.offline_cpmemory, 6), "strategies": out}
 
 
@@ -291,7 +303,7 @@ def run_online_strategy(name: str, trace: Trace, prepared: Sequence[PreparedRequ
             report = check_no_loss(list(prepared[index].blocks), built["messages"])
             result.violations.extend(f"request {index}: {v}" for v in report.violations)
             tokens = chat_tokens(built["messages"])
-            cached = simulator.run(tokens)
+            cached = _serve(simulator, tokens, trace, index)
             windows.busy(len(tokens) - cached)
             result.prompt_tokens += len(tokens)
             result.cached_tokens += cached
@@ -304,6 +316,18 @@ def run_online_strategy(name: str, trace: Trace, prepared: Sequence[PreparedRequ
     return result
 
 
+def _serve(simulator: Any, tokens: list[int], trace: Trace, index: int) -> int:
+    """Run one prompt on the cache, or on a fleet with the request's conversation (a session's later turn sticks)."""
+    from cpmemory.bench.replicas import ReplicaFleet
+
+    if not isinstance(simulator, ReplicaFleet):
+        return int(simulator.run(tokens))
+    if not trace.multi_turn:
+        return simulator.run(tokens)
+    request = trace.requests[index]
+    return simulator.run(tokens, key=str(request.session), sticky=request.turn > 1)
+
+
 def gain_share(hit_rate: float, original: float, offline: float) -> float:
     """(hit - original) / (offline - original); 0 when the offline planner gains nothing."""
     span = offline - original
@@ -313,8 +337,10 @@ def gain_share(hit_rate: float, original: float, offline: float) -> float:
 def run_online(trace: Trace, prepared: Sequence[PreparedRequest], system_prompt: str, capacity: int, mode: str,
                page_size: int | None, window: int, offline: dict[str, StrategyResult],
                strategies: Sequence[str] = ONLINE_STRATEGIES, progress: Any = None,
-               workers: int | None = None, redis_url: str | None = None) -> OnlineReport:
+               workers: int | None = None, redis_url: str | None = None, fleet: Any = None) -> OnlineReport:
     """Run every online strategy on its own fresh cache; gain shares against ``offline['cpmemory']``.
+
+    With ``fleet`` (``replicas.FleetSettings``) each strategy runs on N caches of ``capacity / N`` behind the router.
 
     With ``workers`` the product runs as that many facades on one Redis (``redis_url``, else a throw-away local
     ``redis-server`` for the run), under a fresh key prefix.
@@ -326,9 +352,9 @@ def run_online(trace: Trace, prepared: Sequence[PreparedRequest], system_prompt:
             raise InvalidInputError(f"--workers must be an integer >= 1, got {workers!r}")
         with _redis(redis_url) as url:
             return _run_online(trace, prepared, system_prompt, capacity, mode, page_size, window, offline,
-                               strategies, progress, (url, workers, f"cpm-bench-{uuid.uuid4().hex[:12]}"))
+                               strategies, progress, (url, workers, f"cpm-bench-{uuid.uuid4().hex[:12]}"), fleet)
     return _run_online(trace, prepared, system_prompt, capacity, mode, page_size, window, offline, strategies,
-                       progress, None)
+                       progress, None, fleet)
 
 
 @contextlib.contextmanager
@@ -345,19 +371,27 @@ def _redis(url: str | None) -> Iterator[str]:
 
 def _run_online(trace: Trace, prepared: Sequence[PreparedRequest], system_prompt: str, capacity: int, mode: str,
                 page_size: int | None, window: int, offline: dict[str, StrategyResult], strategies: Sequence[str],
-                progress: Any, workers: tuple[str, int, str] | None) -> OnlineReport:
+                progress: Any, workers: tuple[str, int, str] | None, fleet: Any = None) -> OnlineReport:
+    from cpmemory.bench.replicas import ReplicaFleet
     from cpmemory.bench.simulator import PrefixCacheSimulator
 
     unknown = set(strategies) - set(ONLINE_STRATEGIES)
     if unknown:
         raise InvalidInputError(f"unknown online strategies {sorted(unknown)}; choose from {', '.join(ONLINE_STRATEGIES)}")
-    results = {}
+    results, fleets = {}, {}
     for name in strategies:
-        simulator = PrefixCacheSimulator(capacity, mode=mode, page_size=page_size)  # type: ignore[arg-type]
+        simulator: Any
+        if fleet is not None:
+            simulator = ReplicaFleet(capacity, fleet, mode=mode, page_size=page_size)
+        else:
+            simulator = PrefixCacheSimulator(capacity, mode=mode, page_size=page_size)  # type: ignore[arg-type]
         results[name] = run_online_strategy(name, trace, prepared, system_prompt, simulator, window, progress,
                                             workers if name == "cpmemory" else None)
+        if fleet is not None:
+            fleets[name] = simulator.report()
     offline_hit = offline["cpmemory"].hit_rate
     original = results["original"].hit_rate if "original" in results else offline["original"].hit_rate
-    report = OnlineReport(window, results, offline_hit, original, workers=None if workers is None else workers[1])
+    report = OnlineReport(window, results, offline_hit, original, workers=None if workers is None else workers[1],
+                          fleet=fleet, fleets=fleets)
     report.gain_shares = {name: gain_share(r.hit_rate, original, offline_hit) for name, r in results.items()}
     return report

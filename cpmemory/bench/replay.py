@@ -320,7 +320,8 @@ def run_strategy(name: str, plan: StrategyPlan, trace: Trace, prepared: Sequence
 
 def run_replay(trace: Trace, settings: ReplaySettings = ReplaySettings(),
                progress: Progress | None = None, online_window: int | None = None,
-               online_workers: int | None = None, redis_url: str | None = None) -> ReplayReport:
+               online_workers: int | None = None, redis_url: str | None = None,
+               fleet: Any = None) -> ReplayReport:
     """Replay ``trace`` through every strategy of ``settings`` on the same cache. Deterministic apart from timings.
 
     A strategy whose optional dependency is missing is reported under ``unavailable``. With ``online_window``,
@@ -360,7 +361,7 @@ def run_replay(trace: Trace, settings: ReplaySettings = ReplaySettings(),
 
         online = run_online(trace, prepared, _system_prompt(settings), capacity, settings.mode, settings.page_size,
                             online_window, results, progress=progress, workers=online_workers,
-                            redis_url=redis_url)
+                            redis_url=redis_url, fleet=fleet)
     return ReplayReport(
         online=online,
         workload=trace.name, requests=len(trace.requests), capacity_tokens=capacity, unique_tokens=unique,
@@ -398,6 +399,17 @@ def _load_trace(trace_file: Path | None, workload: str | None, data_dir: Path | 
     return load_workload(workload, data_dir)  # type: ignore[arg-type]
 
 
+def _fleet(replicas: int | None, router: str, online: bool) -> Any:
+    """``FleetSettings`` for ``--replicas N --router R`` (None without ``--replicas``). Raises InvalidInputError."""
+    if replicas is None:
+        return None
+    if not online:
+        raise InvalidInputError("--replicas needs --online (the offline strategies run on one cache)")
+    from cpmemory.bench.replicas import FleetSettings
+
+    return FleetSettings(replicas=replicas, router=router)  # type: ignore[arg-type]
+
+
 def command(
     trace_file: Path | None = typer.Option(None, "--trace", help="A JSON Lines trace (see docs)."),
     workload: str | None = typer.Option(None, "--workload", help="locomo | mt_rag | multihop | synthetic"),
@@ -415,6 +427,8 @@ def command(
     online: bool = typer.Option(False, "--online", help="Also replay the online strategies (requests as they arrive)."),
     window: int = typer.Option(1, "--window", help="Online: how many waiting requests are ordered together (>= 1)."),
     workers: int | None = typer.Option(None, "--workers", help="Online: K facades on one Redis, round robin."),
+    replicas: int | None = typer.Option(None, "--replicas", help="Online: N simulated replicas of capacity/N each."),
+    router: str = typer.Option("prefix", "--router", help="Online with --replicas: prefix (default) or affinity."),
     redis_url: str | None = typer.Option(None, "--redis", help="With --workers: Redis URL (default: a throw-away "
                                          "local redis-server)."),
 ) -> None:
@@ -439,7 +453,8 @@ def command(
         total = len(trace.requests) * (len(names) + (len(ONLINE_STRATEGIES) if online else 0))
         with report_module.progress_bar(total, f"replay {trace.name}") as advance:
             result = run_replay(trace, settings, advance, online_window=window if online else None,
-                                online_workers=workers, redis_url=redis_url)
+                                online_workers=workers, redis_url=redis_url,
+                                fleet=_fleet(replicas, router, online))
         if engine != "sim":
             replay_on_engine(result, engine, model=model)
     except (CpMemoryError, ImportError) as exc:

@@ -67,3 +67,36 @@ def test_peek_changes_nothing() -> None:
 def test_bad_settings_are_typed_errors(kwargs) -> None:
     with pytest.raises(InvalidInputError):
         FleetSettings(**kwargs)
+
+
+def test_online_replay_on_replicas_reports_load_and_one_replica_is_the_single_cache(tmp_path) -> None:
+    import json
+
+    from typer.testing import CliRunner
+
+    from cpmemory.bench.loaders import load_synthetic
+    from cpmemory.bench.replay import ReplaySettings, run_replay
+    from cpmemory.bench.trace import Trace, write_trace
+    from cpmemory.cli import app
+
+    trace = load_synthetic(requests=120, blocks_per_request=6, corpus_size=50, seed=5)
+    settings = ReplaySettings(capacity="20%", strategies=("original",))
+    single = run_replay(trace, settings, online_window=1).to_json()["online"]["strategies"]
+    one = run_replay(trace, settings, online_window=1, fleet=FleetSettings(1)).to_json()["online"]
+    four = run_replay(trace, settings, online_window=1, fleet=FleetSettings(4)).to_json()["online"]
+    assert one["replicas"] == 1 and four["replicas"] == 4 and four["router"] == "prefix"
+    for name, figures in single.items():  # one replica behind the router is exactly the one cache
+        assert one["strategies"][name]["hit_rate"] == figures["hit_rate"], name
+        assert one["strategies"][name]["replica_load_max_over_mean"] == 1.0
+    ours = four["strategies"]["cpmemory"]
+    assert ours["no_loss_violations"] == 0 and sum(ours["replicas"]["requests"]) == 120
+    assert 1.0 <= ours["replica_load_max_over_mean"] <= 1.5
+    path = tmp_path / "t.jsonl"
+    write_trace(Trace("t", trace.requests[:30]), path)
+    result = CliRunner().invoke(app, ["bench", "replay", "--trace", str(path), "--online", "--replicas", "2",
+                                      "--router", "affinity", "--strategies", "original", "--json"])
+    assert result.exit_code == 0, result.output
+    online = json.loads(result.stdout.strip().splitlines()[-1])["online"]
+    assert online["router"] == "affinity" and "replica_load_max_over_mean" in online["strategies"]["trie"]
+    bad = CliRunner().invoke(app, ["bench", "replay", "--trace", str(path), "--replicas", "2", "--json"])
+    assert bad.exit_code == 2 and "--online" in bad.output
