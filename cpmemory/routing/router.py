@@ -55,7 +55,7 @@ class RouterConfig(BaseModel):
     policy: Literal["prefix", "affinity"] = Field(
         default="prefix", description="prefix: score by cached prefix and load; affinity: rendezvous of the key only")
     prefix_weight: float = Field(default=2.0, ge=0, description="weight of the cached share of the prompt")
-    queue_weight: float = Field(default=1.0, ge=0, description="weight of in-flight requests (over the busiest)")
+    queue_weight: float = Field(default=0.25, ge=0, description="weight of in-flight requests (over the busiest)")
     kv_weight: float = Field(default=1.0, ge=0, description="weight of the replica's KV-cache utilisation")
     load_factor: float = Field(default=1.25, ge=1.0, description="bounded load: in flight <= factor * mean + slack")
     load_slack: float = Field(default=2.0, ge=0, description="requests a replica may run above the bounded load")
