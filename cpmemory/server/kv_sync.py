@@ -28,6 +28,7 @@ from cpmemory.errors import CpMemoryError, InvalidInputError
 
 logger = logging.getLogger(__name__)
 MAX_PENDING_REGISTRATIONS = 1024
+TOKENIZE_TIMEOUT_S = 2.0
 
 
 @dataclass(slots=True)
@@ -92,19 +93,24 @@ class KVSyncHub:
                 continue
             self._replicas[index] = _Replica(url.rstrip("/"), sync, subscriber, client)
 
-    async def prompt_blocks(self, payload: Mapping[str, Any]) -> Any:
-        """The prompt's blocks keyed by the engine's hashes (``/tokenize`` on a synced replica), or None on failure.
+    async def prompt_blocks(self, payload: Mapping[str, Any], healthy: Sequence[str] | None = None) -> Any:
+        """The prompt's blocks keyed by the engine's hashes (``/tokenize`` on a replica), or None on failure.
 
-        Returns a ``PromptBlocks``; the hashes are those ``register`` would compute, so the caller passes them on.
+        ``healthy`` names the replicas in rotation (base URLs): the first synced one of them tokenizes, within
+        ``TOKENIZE_TIMEOUT_S`` (a slow answer only costs the prefix score). Returns a ``PromptBlocks``; its hashes
+        are those ``register`` would compute, so the caller registers them directly.
         """
         from cpmemory.routing.prefix import engine_blocks
 
-        if not self._replicas:
+        allowed = None if healthy is None else {url.rstrip("/") for url in healthy}
+        usable = [state for state in self._replicas.values() if allowed is None or state.url in allowed]
+        if not usable:
             return None
-        state = next(iter(self._replicas.values()))
+        state = usable[0]
         try:
-            tokens = await state.client.tokenize(payload.get("messages") or [], model=str(payload.get("model", "")))
-        except CpMemoryError as error:
+            tokens = await asyncio.wait_for(state.client.tokenize(
+                payload.get("messages") or [], model=str(payload.get("model", ""))), TOKENIZE_TIMEOUT_S)
+        except (CpMemoryError, asyncio.TimeoutError) as error:
             self.failures += 1
             logger.debug("tokenize for routing failed: %s", error)
             return None

@@ -174,7 +174,8 @@ class ProxyService:
         if self.upstream or router.view is None or router.config.policy == "affinity":
             return RouteHint(None, sticky, remember)
         if self.kv_sync is not None and getattr(self.kv_sync, "view", None) is router.view:
-            return RouteHint(await self.kv_sync.prompt_blocks(payload), sticky, remember)
+            healthy = [status.url for status in router.status() if status.healthy]
+            return RouteHint(await self.kv_sync.prompt_blocks(payload, healthy), sticky, remember)
         return RouteHint(text_blocks(payload.get("messages") or []), sticky, remember)
 
     def cache_salt(self, tenant: str) -> str:
