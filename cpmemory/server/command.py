@@ -59,6 +59,9 @@ def command(
         None, "--upstream", help="A gateway (vllm-router, llm-d, SGLang router) that picks the replica."),
     router_policy: str = typer.Option(_ROUTER_FIELDS["policy"].default, "--router",
                                       help="prefix (cached prefix + load) or affinity."),
+    replica_cache_tokens: int = typer.Option(
+        _FIELDS["replica_cache_tokens"].default, "--replica-cache-tokens",
+        help="Each replica's cache size in tokens, for the router's view when the engines publish no KV events."),
     redis: str | None = typer.Option(None, "--redis", help="Redis URL for session state (default: in memory)."),
     host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on."),
     port: int = typer.Option(8080, "--port", help="Port to listen on."),
@@ -104,6 +107,7 @@ def command(
             api_keys=parse_api_keys(api_key, api_keys_file), cache_salt_secret=cache_salt_secret,
             engine_timeout_s=engine_timeout, kv_events=kv_events,
             upstream=upstream, router=RouterConfig(policy=router_policy),  # type: ignore[arg-type]
+            replica_cache_tokens=replica_cache_tokens,
         )
     except ValidationError as error:
         raise typer.BadParameter(str(error)) from error

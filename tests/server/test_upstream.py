@@ -71,3 +71,34 @@ def test_config_needs_a_target_and_matching_kv_events() -> None:
     config = ServerConfig(engines=["http://a", "http://b"])
     app = create_app(config)
     assert isinstance(app.state.service.dispatcher.router.view, SentPrefixView)
+
+
+def test_behind_a_gateway_a_prompt_is_registered_with_every_replicas_sync() -> None:
+    from cpmemory.engines.block_hashes import BlockHasher
+    from cpmemory.engines.eviction_sync import EvictionSync
+    from cpmemory.server.kv_sync import KVSyncHub, _Replica
+
+    class Index:
+        def __init__(self) -> None:
+            self.evicted: list[str] = []
+
+        def evict(self, request_ids, *, tenant="default") -> int:
+            self.evicted.extend(request_ids)
+            return len(request_ids)
+
+        def reset_index(self, tenant=None) -> None:
+            return None
+
+    index = Index()
+    hub = KVSyncHub(memory=None, engines=["http://a", "http://b"], endpoints=["tcp://a:1", "tcp://b:2"])
+    syncs = [EvictionSync(index, BlockHasher(16)) for _ in range(2)]
+    for position, sync in enumerate(syncs):
+        hub._replicas[position] = _Replica(f"http://{'ab'[position]}", sync, None, None)
+    hub.register_hashes(None, "req-1", (11, 12), "t")
+    assert [sync.requests_for(12) for sync in syncs] == [{"req-1"}, {"req-1"}]
+    hub.register_hashes(1, "req-2", (21,), "t")
+    assert syncs[0].requests_for(21) == set() and syncs[1].requests_for(21) == {"req-2"}
+    from cpmemory.engines.kv_events import BlockRemoved, EventBatch
+
+    syncs[1].handle_batch(EventBatch(1, 0.0, (BlockRemoved((12,)),)))  # either replica dropping a block evicts
+    assert index.evicted == ["req-1"]
