@@ -4,6 +4,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PIP = $(VENV)/bin/pip
 STAMP = $(VENV)/.installed
+DEMO_STAMP = $(VENV)/.installed-demo
 
 .PHONY: demo test check lint setup bench-results clean
 
@@ -17,7 +18,14 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP)
 
-demo: $(STAMP)
+# The demo needs only the library and the command line (19 packages; no torch, no Mem0, no LangChain).
+$(DEMO_STAMP): pyproject.toml
+	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q -e '.[cli]'
+	touch $(DEMO_STAMP)
+
+demo: $(DEMO_STAMP)
 	$(VENV)/bin/cpmemory demo
 
 test: $(STAMP)

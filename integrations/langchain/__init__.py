@@ -1,6 +1,6 @@
 """LangChain / LangGraph integration: a retriever wrapper, a prompt Runnable and LangGraph nodes over cpmemory.
 
-Needs the ``langchain`` extra (``pip install 'cpmemory[langchain]'``: langchain-core, langgraph); importing this
+Needs the ``langchain`` extra (``pip install 'cpmemory[langchain]'``: langchain-core; ``langgraph`` adds LangGraph); importing this
 package without langchain-core raises :class:`cpmemory.errors.MissingDependencyError` naming that command.
 LangGraph is needed only by :mod:`integrations.langchain.graph`.
 """
