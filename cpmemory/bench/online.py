@@ -350,11 +350,27 @@ def run_online(trace: Trace, prepared: Sequence[PreparedRequest], system_prompt:
     if workers is not None:
         if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
             raise InvalidInputError(f"--workers must be an integer >= 1, got {workers!r}")
+        prefix = f"cpm-bench-{uuid.uuid4().hex[:12]}"
         with _redis(redis_url) as url:
-            return _run_online(trace, prepared, system_prompt, capacity, mode, page_size, window, offline,
-                               strategies, progress, (url, workers, f"cpm-bench-{uuid.uuid4().hex[:12]}"), fleet)
+            try:
+                return _run_online(trace, prepared, system_prompt, capacity, mode, page_size, window, offline,
+                                   strategies, progress, (url, workers, prefix), fleet)
+            finally:
+                _delete_prefix(url, prefix)
     return _run_online(trace, prepared, system_prompt, capacity, mode, page_size, window, offline, strategies,
                        progress, None, fleet)
+
+
+def _delete_prefix(url: str, prefix: str) -> None:
+    """Delete the run's keys (a fresh prefix per run) from the Redis it used."""
+    import redis
+
+    client = redis.Redis.from_url(url)
+    try:
+        for key in client.scan_iter(f"{prefix}:*", count=1000):
+            client.delete(key)
+    finally:
+        client.close()
 
 
 @contextlib.contextmanager
