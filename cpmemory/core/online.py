@@ -145,35 +145,31 @@ class OnlineOrderer:
     def plan_window(
         self, contexts: Sequence[Sequence[Hashable]], sizes: Sequence[Sequence[float]]
     ) -> tuple[list[int], list[list[Hashable]]]:
-        """Order a window of waiting requests: which runs first, and each one's block order.
+        """Order a window of waiting requests: the order they run in, and each one's block order.
 
-        The window's requests have arrived, so they are counted in the retrieval frequencies (mutates those only;
-        the trie is left as it was). Greedy: the request that would find the most cached (the recency-weighted
-        match) runs next, its order is tentatively recorded, and the others are re-scored against it, so requests
-        sharing blocks run back to back and share the first one's order; ties go to the request whose blocks the
-        window shares most. O(W^2 * match) for a window of W requests.
+        The window's requests have arrived, so they are counted in the retrieval frequencies at once (mutates
+        those only; the trie is left as it was). They run in arrival order; each is ordered as at W=1 against the
+        trie with the earlier ones of the window tentatively recorded, and its unmatched blocks that later
+        requests of the window also hold come first, so those can reuse its prefix. (Running the request with the
+        most cached first, LPM on the trie, measured no better at W=32 on MultiHop-RAG and 1 point worse on
+        synthetic at 20%, so the arrival order is kept.) O(W * (match + k log k)).
         """
         if len(contexts) != len(sizes):
             raise InvalidInputError("plan_window needs one size list per context")
         for keys in contexts:
             self.observe(keys)
-        shared: Counter[Hashable] = Counter(key for keys in contexts for key in keys)
-        size_maps = [dict(zip(keys, weights)) for keys, weights in zip(contexts, sizes)]
-        affinity = [sum(size_maps[i][key] * (shared[key] - 1) for key in keys) for i, keys in enumerate(contexts)]
-        remaining = [i for i, keys in enumerate(contexts) if keys]
-        schedule = [i for i, keys in enumerate(contexts) if not keys]
+        waiting: Counter[Hashable] = Counter(key for keys in contexts for key in keys)
         orders: list[list[Hashable]] = [list(keys) for keys in contexts]
         undo: list[tuple[_TrieNode, int, bool]] = []
         clock = self._clock
         try:
-            while remaining:
-                best = max(remaining, key=lambda i: (self._match_score(size_maps[i]), affinity[i], -i))
-                remaining.remove(best)
-                shared.subtract(contexts[best])
-                orders[best] = self.order(contexts[best], sizes[best], shared)
-                schedule.append(best)
+            for position, keys in enumerate(contexts):
+                if not keys:
+                    continue
+                waiting.subtract(keys)
+                orders[position] = self.order(keys, sizes[position], waiting)
                 self._clock += 1
-                undo.extend(self._tentative(orders[best]))
+                undo.extend(self._tentative(orders[position]))
         finally:
             for node, last, created in reversed(undo):
                 node.count -= 1
@@ -181,15 +177,7 @@ class OnlineOrderer:
                 if created:
                     del node.parent.children[node.key]  # type: ignore[union-attr]
             self._clock = clock
-        return schedule, orders
-
-    def _match_score(self, size: dict[Hashable, float]) -> float:
-        path = self.match(size)
-        node, score = self._root, 0.0
-        for key in path:
-            node = node.children[key]
-            score += size[key] / (1.0 + (self._clock - node.last) / RECENCY_SCALE)
-        return score
+        return list(range(len(contexts))), orders
 
     def _tentative(self, order: Sequence[Hashable]) -> list[tuple[_TrieNode, int, bool]]:
         changes = []

@@ -108,10 +108,12 @@ class TenantIndexes:
             return Placement(tuple(ordered), tuple(result.path), tuple(result.evicted))
         with self._lock:
             orderer = self._orderer(tenant)
-            ordered = self._planned.get(tenant, {}).pop(frozenset(context), None)  # type: ignore[arg-type, call-overload]
-            if ordered is None:  # not planned in a window: order it now
+            planned = self._planned.get(tenant)
+            chosen: list[Hashable] | None = planned.pop(frozenset(context), None) if planned else None
+            if chosen is None:  # not planned in a window: order it now
                 orderer.observe(context)
-                ordered = orderer.order(context, sizes)
+                chosen = orderer.order(context, sizes)
+            ordered = chosen
             orderer.record(ordered, request_id)
             result = self._index(tenant).insert(ordered, request_id)
             for evicted in result.evicted:

@@ -55,14 +55,14 @@ def test_bounded_number_of_requests_forgets_the_oldest():
     orderer.check_integrity()
 
 
-def test_plan_window_runs_sharing_requests_together_and_leaves_the_trie_unchanged():
+def test_plan_window_shares_prefixes_inside_the_window_and_leaves_the_trie_unchanged():
     orderer = OnlineOrderer()
     orderer.record(["p", "q"], "old")
-    window = [["x", "y"], ["p", "q", "r"], ["s", "t"], ["p", "r", "u"]]
+    window = [["x", "y"], ["p", "q", "r"], ["s", "t"], ["u", "r", "p"]]
     schedule, orders = orderer.plan_window(window, [sizes(keys) for keys in window])
-    assert sorted(schedule) == [0, 1, 2, 3]
-    assert schedule[:2] == [1, 3]  # the one that matches the cached order first, then the one sharing with it
-    assert orders[1][:2] == ["p", "q"] and orders[3][0] == "p"
+    assert schedule == [0, 1, 2, 3]  # arrival order
+    assert orders[1] == ["p", "q", "r"]  # the cached order, then r (a later request of the window holds it)
+    assert orders[3][:1] == ["p"]  # matches request 1's tentatively recorded order
     assert all(Counter(order) == Counter(keys) for order, keys in zip(orders, window))
     orderer.check_integrity()
     assert len(orderer) == 1

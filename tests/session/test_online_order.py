@@ -31,17 +31,17 @@ def test_order_blocks_records_no_conversation_and_is_shared_by_later_requests():
     mem.check_index()
 
 
-def test_release_order_runs_sharing_requests_back_to_back_and_prepare_uses_its_orders():
+def test_release_order_plans_the_window_and_prepare_uses_its_orders():
     mem = CpMemory()
-    waiting = [blocks(1, 2, 3), blocks(7, 8), blocks(3, 2, 4), blocks(8, 9, 7)]
+    waiting = [blocks(1, 2, 3), blocks(7, 8), blocks(4, 3, 2), blocks(9, 8, 7)]
     order = mem.release_order(waiting)
-    assert sorted(order) == [0, 1, 2, 3]
+    assert order == [0, 1, 2, 3]
     turns = [mem.prepare(f"c{i}", "q", waiting[i]) for i in order]
     for turn in turns:
         mem.commit(turn, "a")
-    by_first = {turn.prompt_order[0] for turn in turns}
-    assert len(by_first) == 2  # two groups, each starting with one shared block
-    assert abs(order.index(0) - order.index(2)) == 1 and abs(order.index(1) - order.index(3)) == 1
+    # the blocks a later waiting request shares come first, so it starts with the earlier one's prefix
+    assert set(turns[0].prompt_order[:2]) == {"2", "3"} and turns[2].prompt_order[:2] == turns[0].prompt_order[:2]
+    assert set(turns[1].prompt_order) == {"7", "8"} and turns[3].prompt_order[:2] == turns[1].prompt_order
     mem.check_index()
 
 
