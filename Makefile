@@ -8,11 +8,15 @@ DEMO_STAMP = $(VENV)/.installed-demo
 
 .PHONY: demo test check lint setup bench-results clean
 
-$(STAMP): pyproject.toml
+ADAPTERS = integrations/langchain-cpmemory integrations/mem0-cpmemory
+
+$(STAMP): pyproject.toml $(ADAPTERS:%=%/pyproject.toml)
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	# torch==2.13.0 is the CPU build (a local file on this machine kind); unpinned, pip takes a CUDA build.
-	$(PIP) install -q -e '.[all,dev]' 'torch==2.13.0'
+	# The adapters are distributions of their own (editable); their `cpmemory` requirement is the editable root.
+	$(PIP) install -q -e '.[all,dev]' -e 'integrations/langchain-cpmemory[langgraph,test]' \
+		-e integrations/mem0-cpmemory 'torch==2.13.0'
 	$(PIP) install -q --no-deps 'contextpilot==0.5.0'
 	touch $(STAMP)
 
@@ -41,7 +45,7 @@ lint: $(STAMP)
 UNIT_MARKERS = not slow and not redis and not cluster and not vllm
 check: lint
 	$(VENV)/bin/python -m pytest -q -x -p no:cacheprovider -m "$(UNIT_MARKERS)" \
-		--ignore=tests/reliability --ignore=tests/integrations $(PYTEST_ARGS)
+		--ignore=tests/reliability --ignore=tests/integrations --ignore=integrations $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -127,7 +127,9 @@ class KVEventError(CpMemoryError):
 class MissingDependencyError(CpMemoryError, ImportError):
     """An optional dependency is missing; the message names the install command."""
 
-    def __init__(self, extra: str, package: str) -> None:
-        super().__init__(f"{package} is not installed; run: pip install 'cpmemory[{extra}]'")
+    def __init__(self, extra: str, package: str, command: str | None = None) -> None:
+        """Name the missing ``package`` and the command that installs it (default: cpmemory's ``extra``)."""
+        command = command or f"pip install 'cpmemory[{extra}]'"
+        super().__init__(f"{package} is not installed; run: {command}")
         self.extra = extra
         self.package = package

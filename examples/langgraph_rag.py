@@ -3,7 +3,7 @@
     .venv/bin/python examples/langgraph_rag.py
 
 The graph is ``retrieve -> answer`` with an ``InMemorySaver`` checkpointer: each ``thread_id`` is one conversation.
-The retrieval node calls a :class:`~integrations.langchain.CpMemoryRetriever` wrapping a plain keyword retriever;
+The retrieval node calls a :class:`~langchain_cpmemory.CpMemoryRetriever` wrapping a plain keyword retriever;
 the answer node builds the prompt with cpmemory (a passage shown in an earlier turn becomes a one-line reference),
 asks the chat model, and commits the answer. Per turn it prints each passage's status and the passage tokens sent
 in full vs by reference. Every prompt fits a token budget (``BUDGET`` tokens, cpmemory's default counter, passed
@@ -88,8 +88,8 @@ def run(thread_id: str = "visitor-1", budget: int | None = BUDGET) -> dict[str, 
     from cpmemory.bench.tokenizer import count_tokens
     from cpmemory.facade import CpMemory
     from cpmemory.session.budget import MESSAGE_OVERHEAD_TOKENS, estimate_tokens
-    from integrations.langchain import CpMemoryRetriever
-    from integrations.langchain.graph import build_rag_graph
+    from langchain_cpmemory import CpMemoryRetriever
+    from langchain_cpmemory.graph import build_rag_graph
 
     retriever = CpMemoryRetriever(retriever=keyword_retriever(), memory=CpMemory(), max_prompt_tokens=budget)
     model = GenericFakeChatModel(messages=iter(AIMessage(content=answer) for answer in ANSWERS))

@@ -230,7 +230,7 @@ def replay(args: argparse.Namespace, home: Path) -> dict[str, Any]:
     from cpmemory.bench.simulator import PrefixCacheSimulator
     from cpmemory.facade import CpMemory
     from cpmemory.session.config import CpMemoryConfig
-    from integrations.mem0 import CpMemoryMem0
+    from mem0_cpmemory import CpMemoryMem0
 
     sample = load_conversation(Path(args.data_dir), args.conversation)
     user_id = f"locomo-{sample['sample_id']}"

@@ -26,7 +26,7 @@ from cpmemory.core.blocks import Block
 from cpmemory.core.invariants import check_no_loss
 from cpmemory.errors import InvalidInputError, MissingDependencyError
 from cpmemory.facade import AsyncCpMemory, CpMemory
-from integrations.langchain import (
+from langchain_cpmemory import (
     CpMemoryPromptRunnable,
     CpMemoryRetriever,
     PassthroughWarning,
@@ -240,12 +240,12 @@ def test_no_document_is_ever_lost(turns: list[list[tuple[str | None, str]]]) -> 
 
 def test_import_without_langchain_names_the_install_command(monkeypatch: pytest.MonkeyPatch) -> None:
     for name in [
-        n for n in sys.modules if n == "integrations.langchain" or n.startswith("integrations.langchain.")
+        n for n in sys.modules if n == "langchain_cpmemory" or n.startswith("langchain_cpmemory.")
     ]:
         monkeypatch.delitem(sys.modules, name)
     monkeypatch.setitem(sys.modules, "langchain_core", None)
-    with pytest.raises(MissingDependencyError, match=r"pip install 'cpmemory\[langchain\]'"):
-        importlib.import_module("integrations.langchain")
+    with pytest.raises(MissingDependencyError, match="pip install langchain-cpmemory"):
+        importlib.import_module("langchain_cpmemory")
 
 
 def test_passthrough_prompt_uses_the_facades_system_prompt() -> None:

@@ -19,8 +19,8 @@ from langgraph.checkpoint.memory import InMemorySaver
 from cpmemory.core.blocks import Block
 from cpmemory.core.invariants import check_no_loss
 from cpmemory.facade import AsyncCpMemory, CpMemory
-from integrations.langchain import CpMemoryRetriever, PassthroughWarning, relevance_order
-from integrations.langchain.graph import build_rag_graph
+from langchain_cpmemory import CpMemoryRetriever, PassthroughWarning, relevance_order
+from langchain_cpmemory.graph import build_rag_graph
 
 TEXTS = [
     f"Fact {i}: the {word} is stored in room {i}."

@@ -9,11 +9,11 @@ import pytest
 
 pytest.importorskip("mem0")
 
+from cpmemory.adapters import PassthroughWarning
 from cpmemory.core.blocks import Block
 from cpmemory.core.invariants import check_no_loss
 from cpmemory.facade import AsyncCpMemory, CpMemory
-from integrations._common import PassthroughWarning
-from integrations.mem0 import AsyncCpMemoryMem0, CpMemoryMem0
+from mem0_cpmemory import AsyncCpMemoryMem0, CpMemoryMem0
 
 FACTS = [
     "Caroline went to an LGBTQ support group on 7 May 2023.",

@@ -18,7 +18,7 @@ from cpmemory.facade import CpMemory
 
 def _load_adapter() -> Any:
     pytest.importorskip("mem0")
-    return importlib.import_module("integrations.mem0")
+    return importlib.import_module("mem0_cpmemory")
 
 
 class CannedMem0:
@@ -138,14 +138,14 @@ def test_every_memory_reaches_the_prompt_or_is_accounted_for(
 
 def test_import_without_mem0_names_the_install_command(monkeypatch: pytest.MonkeyPatch) -> None:
     for name in [
-        name for name in sys.modules if name == "integrations.mem0" or name.startswith("integrations.mem0.")
+        name for name in sys.modules if name == "mem0_cpmemory" or name.startswith("mem0_cpmemory.")
     ]:
         monkeypatch.delitem(sys.modules, name)
     monkeypatch.setitem(
         sys.modules, "mem0", None
     )  # what an uninstalled package looks like to the import system
-    with pytest.raises(MissingDependencyError, match=r"pip install 'cpmemory\[mem0\]'") as caught:
-        importlib.import_module("integrations.mem0")
+    with pytest.raises(MissingDependencyError, match="pip install mem0-cpmemory") as caught:
+        importlib.import_module("mem0_cpmemory")
     assert isinstance(caught.value, ImportError)
 
 
@@ -153,13 +153,11 @@ def test_the_core_never_imports_an_integration() -> None:
     import pathlib
 
     root = pathlib.Path(__file__).resolve().parents[2] / "cpmemory"
+    adapters = ("langchain_cpmemory", "mem0_cpmemory", "integrations")
     offenders = [
         str(path)
         for path in root.rglob("*.py")
-        if "integrations" in path.read_text(encoding="utf-8")
-        and (
-            "import integrations" in path.read_text(encoding="utf-8")
-            or "from integrations" in path.read_text(encoding="utf-8")
-        )
+        for name in adapters
+        if f"import {name}" in path.read_text(encoding="utf-8") or f"from {name}" in path.read_text(encoding="utf-8")
     ]
     assert offenders == []

@@ -29,7 +29,7 @@ def test_real_embeddings_rank_by_meaning_and_dedup_across_turns(minilm_memory: A
     from cpmemory.core.blocks import Block
     from cpmemory.core.invariants import check_no_loss
     from cpmemory.facade import CpMemory
-    from integrations.mem0 import CpMemoryMem0
+    from mem0_cpmemory import CpMemoryMem0
 
     wrapper = CpMemoryMem0(minilm_memory, CpMemory())
     facts = {

@@ -24,8 +24,8 @@ from pydantic import Field
 
 from cpmemory.core.invariants import check_no_loss
 from cpmemory.facade import CpMemory
-from integrations.langchain import CpMemoryRetriever, relevance_order
-from integrations.mem0 import CpMemoryMem0
+from langchain_cpmemory import CpMemoryRetriever, relevance_order
+from mem0_cpmemory import CpMemoryMem0
 from tests.no_loss_cases import IDS, TEXTS, tool_exchange
 
 memories = st.lists(

@@ -18,8 +18,8 @@ from cpmemory.errors import InvalidInputError, StoreUnavailableError, UnknownRes
 from cpmemory.facade import CpMemory
 from cpmemory.stores.base import ConversationKey
 from cpmemory.stores.memory import InMemorySessionStore
-from integrations.langchain import CpMemoryPromptRunnable
-from integrations.mem0 import CpMemoryMem0
+from langchain_cpmemory import CpMemoryPromptRunnable
+from mem0_cpmemory import CpMemoryMem0
 from tests.integrations.test_langchain_adapter import _retriever, _thread
 
 
@@ -186,7 +186,7 @@ def test_adapters_raise_only_typed_errors_on_bad_input(junk: Any) -> None:
 
 async def test_item10_async_mem0_commit_with_a_bad_answer_keeps_the_turn() -> None:
     from cpmemory.facade import AsyncCpMemory
-    from integrations.mem0 import AsyncCpMemoryMem0
+    from mem0_cpmemory import AsyncCpMemoryMem0
 
     class AsyncCanned:
         async def search(self, query: str, **kwargs: Any) -> Any:

@@ -16,9 +16,9 @@ from langchain_core.messages import BaseMessage
 from langchain_core.runnables import RunnableConfig, RunnableLambda
 from langchain_core.runnables.config import ensure_config, run_in_executor
 
+from cpmemory.adapters import PendingTurns
 from cpmemory.errors import CpMemoryError, InvalidInputError, ReservationError, UnknownReservationError
-from integrations._common import PendingTurns
-from integrations.langchain.documents import conversation_from_config
+from langchain_cpmemory.documents import conversation_from_config
 
 DEFAULT_CONVERSATION_KEY = "thread_id"
 

@@ -1,7 +1,7 @@
 """Wrap a Mem0 memory so its search results are reordered and de-duplicated by cpmemory.
 
     from mem0 import Memory
-    from integrations.mem0 import CpMemoryMem0
+    from mem0_cpmemory import CpMemoryMem0
 
     memory = CpMemoryMem0(Memory.from_config(config))
     found = memory.search("Where does Alice live?", user_id="alice", run_id="chat-42")
@@ -23,16 +23,16 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from cpmemory.core.blocks import Block
-from cpmemory.errors import CpMemoryError, InvalidInputError, ReservationError, UnknownReservationError
-from integrations._common import (
+from cpmemory import Block
+from cpmemory.adapters import (
     PassthroughWarning,
     PendingTurns,
     facade_system_prompt,
     online_order,
     passthrough_messages,
 )
-from integrations.mem0.results import (
+from cpmemory.errors import CpMemoryError, InvalidInputError, ReservationError, UnknownReservationError
+from mem0_cpmemory.results import (
     ParsedResults,
     assemble_passthrough,
     assemble_prepared,
@@ -210,7 +210,7 @@ class CpMemoryMem0(_Mem0Adapter):
         max_prompt_tokens: int | None = None,
     ) -> None:
         if cpmemory is None:
-            from cpmemory.facade import CpMemory
+            from cpmemory import CpMemory
 
             cpmemory = CpMemory()
         super().__init__(
@@ -242,7 +242,7 @@ class CpMemoryMem0(_Mem0Adapter):
             Mem0's answer in its own shape, items in prompt order, each with a ``cpmemory`` field.
 
         Raises:
-            InvalidInputError: the answer or one of its items is malformed (see ``integrations.mem0.results``).
+            InvalidInputError: the answer or one of its items is malformed (see ``mem0_cpmemory.results``).
         """
         options.update(top_k=top_k, threshold=threshold, rerank=rerank)
         arguments, conversation = self._search_setup(
@@ -345,7 +345,7 @@ class AsyncCpMemoryMem0(_Mem0Adapter):
         max_prompt_tokens: int | None = None,
     ) -> None:
         if cpmemory is None:
-            from cpmemory.facade import AsyncCpMemory
+            from cpmemory import AsyncCpMemory
 
             cpmemory = AsyncCpMemory()
         super().__init__(

@@ -1,4 +1,7 @@
-"""Framework-neutral pieces shared by the Mem0 and LangChain adapters.
+"""Public toolkit for framework adapters (``langchain-cpmemory``, ``mem0-cpmemory`` and any third-party one).
+
+This module and the names exported by ``cpmemory`` are the whole API an adapter may use; an adapter never imports
+``cpmemory.core``, ``cpmemory.session`` or other internals (an import-linter contract checks ours).
 
 Everything here is sans-IO: it never calls the facade itself, so the sync and async adapters share it. An adapter
 

@@ -10,7 +10,7 @@ The conversation is ``config["configurable"][conversation_key]`` (``"thread_id"`
 default; inside a LangGraph node the node's config is picked up without passing it). Each returned Document is a
 copy carrying ``metadata["cpmemory"]`` (status, label, original_rank, prompt_position, ...), in prompt order.
 Without a conversation id the Documents pass through in their original order, marked ``passthrough``, with a
-:class:`~integrations._common.PassthroughWarning`; nothing is de-duplicated and nothing is ever dropped.
+:class:`~cpmemory.adapters.PassthroughWarning`; nothing is de-duplicated and nothing is ever dropped.
 """
 
 from __future__ import annotations
@@ -26,20 +26,20 @@ from langchain_core.runnables import RunnableConfig
 from langchain_core.runnables.config import ensure_config
 from pydantic import ConfigDict, Field, PrivateAttr
 
-from integrations._common import PassthroughWarning, PendingTurns, online_order
-from integrations.langchain.documents import (
+from cpmemory.adapters import PassthroughWarning, PendingTurns, online_order
+from langchain_cpmemory.documents import (
     annotate_passthrough,
     annotate_prepared,
     conversation_from_config,
     documents_to_blocks,
 )
-from integrations.langchain.turns import DEFAULT_CONVERSATION_KEY, TurnKeeper, acall_facade, call_facade
+from langchain_cpmemory.turns import DEFAULT_CONVERSATION_KEY, TurnKeeper, acall_facade, call_facade
 
 NO_CONVERSATION_REASON = "no conversation id in config['configurable']"
 
 
 def _default_memory() -> Any:
-    from cpmemory.facade import CpMemory
+    from cpmemory import CpMemory
 
     return CpMemory()
 
@@ -83,9 +83,16 @@ class CpMemoryRetriever(TurnKeeper, BaseRetriever):
         return await super().ainvoke(input, config, **kwargs)
 
     def _get_relevant_documents(
-        self, query: str, *, run_manager: CallbackManagerForRetrieverRun, conversation_id: str | None = None
+        self,
+        query: str,
+        *,
+        run_manager: CallbackManagerForRetrieverRun,
+        conversation_id: str | None = None,
+        **kwargs: Any,
     ) -> list[Document]:
-        documents = self.retriever.invoke(query, config={"callbacks": run_manager.get_child()})
+        # Other keyword arguments (``k``...) are the inner retriever's: it decides what is retrieved, the wrapper
+        # only reorders and de-duplicates what it returns (never drops a Document).
+        documents = self.retriever.invoke(query, config={"callbacks": run_manager.get_child()}, **kwargs)
         assignment = documents_to_blocks(documents, self.id_key)
         if conversation_id is None:
             return self._passthrough(documents, assignment)
@@ -103,8 +110,9 @@ class CpMemoryRetriever(TurnKeeper, BaseRetriever):
         *,
         run_manager: AsyncCallbackManagerForRetrieverRun,
         conversation_id: str | None = None,
+        **kwargs: Any,
     ) -> list[Document]:
-        documents = await self.retriever.ainvoke(query, config={"callbacks": run_manager.get_child()})
+        documents = await self.retriever.ainvoke(query, config={"callbacks": run_manager.get_child()}, **kwargs)
         assignment = documents_to_blocks(documents, self.id_key)
         if conversation_id is None:
             return self._passthrough(documents, assignment)
@@ -140,7 +148,7 @@ class CpMemoryRetriever(TurnKeeper, BaseRetriever):
 
     def prompt(self) -> Any:
         """Return a :class:`CpMemoryPromptRunnable` sharing this retriever's facade and pending turns."""
-        from integrations.langchain.prompt import CpMemoryPromptRunnable
+        from langchain_cpmemory.prompt import CpMemoryPromptRunnable
 
         return CpMemoryPromptRunnable(
             self.memory,

@@ -6,7 +6,7 @@
 
 The graph's ``messages`` (kept by the checkpointer per ``thread_id``) hold the plain questions and answers for
 the application; the prompt sent to the model is cpmemory's, built from the conversation's stored transcript, so
-a document shown in an earlier turn is referenced instead of sent again. Needs the ``langgraph`` extra (``pip install 'cpmemory[langgraph]'``).
+a document shown in an earlier turn is referenced instead of sent again. Needs the ``langgraph`` extra (``pip install 'langchain-cpmemory[langgraph]'``).
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from langchain_core.language_models import BaseChatModel
 from langchain_core.messages import AnyMessage, HumanMessage
 from langchain_core.runnables import RunnableConfig, RunnableLambda
 
-from integrations.langchain.prompt import CpMemoryPromptRunnable
-from integrations.langchain.retriever import CpMemoryRetriever
+from langchain_cpmemory.prompt import CpMemoryPromptRunnable
+from langchain_cpmemory.retriever import CpMemoryRetriever
 
 
 def _add_messages(left: list[AnyMessage], right: list[AnyMessage]) -> list[AnyMessage]:

@@ -1,7 +1,8 @@
 """Mem0 integration: wrap ``mem0.Memory`` / ``AsyncMemory`` / ``MemoryClient`` so searches go through cpmemory.
 
-Needs the ``mem0`` extra (``pip install 'cpmemory[mem0]'``); importing this package without it raises
-:class:`cpmemory.errors.MissingDependencyError` naming that command.
+The ``mem0-cpmemory`` distribution (``pip install ./integrations/mem0-cpmemory``). It uses only cpmemory's public
+API (``cpmemory`` and :mod:`cpmemory.adapters`). Importing this package without mem0ai (an install with
+``--no-deps``) raises :class:`cpmemory.errors.MissingDependencyError` naming the install command.
 """
 
 from __future__ import annotations
@@ -13,11 +14,11 @@ from cpmemory.errors import MissingDependencyError
 # A presence check, not an import: importing mem0 costs seconds and creates its home folder, and the adapter is
 # duck-typed (it only calls the wrapped object's methods).
 if importlib.util.find_spec("mem0") is None:
-    raise MissingDependencyError("mem0", "mem0ai")
+    raise MissingDependencyError("mem0", "mem0ai", "pip install mem0-cpmemory")
 
-from integrations._common import PassthroughWarning
-from integrations.mem0.results import ParsedResults, parse_search_results
-from integrations.mem0.wrapper import AsyncCpMemoryMem0, CpMemoryMem0, PassthroughTurn
+from cpmemory.adapters import PassthroughWarning
+from mem0_cpmemory.results import ParsedResults, parse_search_results
+from mem0_cpmemory.wrapper import AsyncCpMemoryMem0, CpMemoryMem0, PassthroughTurn
 
 __all__ = [
     "AsyncCpMemoryMem0",

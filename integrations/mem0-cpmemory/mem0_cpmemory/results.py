@@ -27,15 +27,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from cpmemory.core.blocks import Block
-from cpmemory.errors import InvalidInputError
-from integrations._common import (
+from cpmemory import Block
+from cpmemory.adapters import (
     PreparedTurnLike,
     assign_blocks,
     decision_fields,
     passthrough_fields,
     prompt_ranks,
 )
+from cpmemory.errors import InvalidInputError
 
 
 @dataclass(frozen=True, slots=True)

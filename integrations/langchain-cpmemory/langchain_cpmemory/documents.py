@@ -1,7 +1,7 @@
 """LangChain Documents / messages <-> cpmemory blocks and chat messages (sans-IO).
 
 A Document's block id is ``Document.id`` when set, else ``metadata[id_key]`` (default ``"id"``), else derived from
-its content hash (see :func:`integrations._common.assign_blocks` for empty and repeated documents). Decisions are
+its content hash (see :func:`cpmemory.adapters.assign_blocks` for empty and repeated documents). Decisions are
 written to a copy of each Document under ``metadata["cpmemory"]``; the inner retriever's Documents are never mutated.
 """
 
@@ -15,8 +15,7 @@ from langchain_core.documents import Document
 from langchain_core.messages import BaseMessage, convert_to_messages, convert_to_openai_messages
 from langchain_core.runnables import RunnableConfig
 
-from cpmemory.errors import InvalidInputError
-from integrations._common import (
+from cpmemory.adapters import (
     BlockAssignment,
     PreparedTurnLike,
     assign_blocks,
@@ -24,6 +23,7 @@ from integrations._common import (
     passthrough_fields,
     prompt_ranks,
 )
+from cpmemory.errors import InvalidInputError
 
 METADATA_KEY = "cpmemory"
 """Where a Document carries what cpmemory decided for it."""

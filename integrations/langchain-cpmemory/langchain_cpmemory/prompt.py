@@ -10,14 +10,14 @@
 
 Which prompt is built:
 
-1. The documents a :class:`~integrations.langchain.retriever.CpMemoryRetriever` sharing this runnable's pending
+1. The documents a :class:`~langchain_cpmemory.retriever.CpMemoryRetriever` sharing this runnable's pending
    turns returned (same ids and texts, in any order), with no ``history`` given: the turn the retriever prepared
    is used as is (no second prepare). Documents changed or dropped in between (a compressor, a filter) are case 2.
 2. Otherwise, with a conversation id in the config: the documents (put back in their relevance order) are
    prepared here, with ``history`` (LangChain messages) when given -- references then point only at text in it --
    or the conversation's stored transcript when not. A turn the retriever prepared for the conversation is aborted.
 3. Without a conversation id: every document in full, in the given order (a
-   :class:`~integrations._common.PassthroughWarning`); nothing is recorded.
+   :class:`~cpmemory.adapters.PassthroughWarning`); nothing is recorded.
 """
 
 from __future__ import annotations
@@ -32,14 +32,14 @@ from langchain_core.messages import BaseMessage
 from langchain_core.runnables import Runnable, RunnableConfig
 from langchain_core.runnables.config import ensure_config
 
-from integrations._common import (
+from cpmemory.adapters import (
     PassthroughWarning,
     PendingTurns,
     facade_system_prompt,
     online_order,
     passthrough_messages,
 )
-from integrations.langchain.documents import (
+from langchain_cpmemory.documents import (
     METADATA_KEY,
     PromptInput,
     annotate_prepared,
@@ -50,7 +50,7 @@ from integrations.langchain.documents import (
     relevance_order,
     same_documents,
 )
-from integrations.langchain.turns import DEFAULT_CONVERSATION_KEY, TurnKeeper, acall_facade, call_facade
+from langchain_cpmemory.turns import DEFAULT_CONVERSATION_KEY, TurnKeeper, acall_facade, call_facade
 
 SENT_DOCUMENTS_KEPT = 1024
 """Conversations whose last prompt's documents :meth:`CpMemoryPromptRunnable.sent_documents` keeps (oldest dropped)."""
@@ -81,7 +81,7 @@ class CpMemoryPromptRunnable(TurnKeeper, Runnable[Mapping[str, Any], list[BaseMe
         max_prompt_tokens: int | None = None,
     ) -> None:
         if memory is None:
-            from cpmemory.facade import CpMemory
+            from cpmemory import CpMemory
 
             memory = CpMemory()
         self.memory = memory
