@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml $(ADAPTERS:%=%/pyproject.toml)
 	# torch==2.13.0 is the CPU build (a local file on this machine kind); unpinned, pip takes a CUDA build.
 	# The adapters are distributions of their own (editable); their `cpmemory` requirement is the editable root.
 	$(PIP) install -q -e '.[all,dev]' -e 'integrations/langchain-cpmemory[langgraph,test]' \
-		-e integrations/mem0-cpmemory 'torch==2.13.0'
+		-e 'integrations/mem0-cpmemory[test]' 'torch==2.13.0'
 	$(PIP) install -q --no-deps 'contextpilot==0.5.0'
 	touch $(STAMP)
 
