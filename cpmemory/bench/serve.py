@@ -199,9 +199,10 @@ def print_table(report: dict[str, Any], console: Any) -> None:
                       _ms(s["latency_mean_ms"]), f"{s['throughput_rps']:.3f}", f"{s['prompt_tokens_per_s']:,.0f}",
                       cached, str(s["errors"]), str(s["lost_blocks"]), style="bold" if name == "cpmemory" else None)
     kv = ", ".join(f"{e['kv_cache_tokens']:,}" if e.get("kv_cache_tokens") else "?" for e in report["engines"])
-    peaks = ", ".join(f"{n} {d['peak_working_set_tokens']:,}" for n, d in report["details"].items())
+    sets = ", ".join(f"{n} {d['working_set_tokens']:,} (peak {d['peak_working_set_tokens']:,})"
+                     for n, d in report["details"].items())
     table.caption = (f"TTFT mean speed-up x{report['ttft_mean_speedup']}, throughput x{report['throughput_speedup']}; "
-                     f"KV cache per engine {kv} tokens; peak working set (tokens) {peaks}")
+                     f"KV cache per engine {kv} tokens; working set (tokens) {sets}")
     console.print(table)
     for name, details in report["details"].items():
         for sample in details["error_samples"]:

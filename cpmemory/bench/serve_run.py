@@ -123,6 +123,7 @@ class StrategyRun:
                 "errors_by_kind": dict(kinds), "error_samples": list(dict.fromkeys(errors))[:5],
                 "requests_per_replica": dict(sorted(replicas.items())), "unchecked": self.unchecked,
                 "loss_samples": self.loss_samples[:5], "reset": self.reset,
+                "working_set_tokens": working_set(self.outcomes),
                 "peak_working_set_tokens": peak_working_set(self.outcomes),
                 "machine_load_average": [round(value, 2) for value in self.load_average]}
 
@@ -133,6 +134,16 @@ def percentile(values: Sequence[float], fraction: float) -> float:
         return 0.0
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, max(0, math.ceil(fraction * len(ordered)) - 1))]
+
+
+def working_set(outcomes: Sequence[Outcome]) -> int:
+    """Sum over sessions of each one's largest prompt (tokens): what the caches must hold to keep every session's
+    history for the whole run (for independent requests: every prompt)."""
+    largest: dict[str, int] = {}
+    for o in outcomes:
+        if o.error is None:
+            largest[o.job.conversation] = max(largest.get(o.job.conversation, 0), o.prompt_tokens)
+    return sum(largest.values())
 
 
 def peak_working_set(outcomes: Sequence[Outcome]) -> int:
