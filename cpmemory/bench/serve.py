@@ -146,18 +146,23 @@ async def run_serve(trace: Trace, settings: ServeSettings,
     engines = await engine_facts(settings)
     known = [row["kv_cache_tokens"] for row in engines if row.get("kv_cache_tokens")]
     cache_tokens = min(known) if known else None
-    runs: dict[str, StrategyRun] = {}
-    run_id = uuid.uuid4().hex[:8]  # one per run: both strategies route each conversation to the same replica
-    sessions = select_jobs(trace, settings, run_id)
-    for name in settings.strategies:
-        run = StrategyRun(name, reset=await reset_prefix_caches(settings.engines, settings.engine_timeout_s))
-        before = os.getloadavg()[0]
-        async with strategy_client(name, settings, DEFAULT_SYSTEM_PROMPT, cache_tokens) as client:
-            advance = (lambda outcome, name=name: progress(name, outcome)) if progress else None
-            run.outcomes, run.wall_s = await replay(client, sessions, trace.multi_turn, settings, advance)
-        run.load_average = (before, os.getloadavg()[0])  # 1-minute load at start and end: how shared the CPUs were
-        check_losses(run)
-        runs[name] = run
+    runs = {name: StrategyRun(name) for name in settings.strategies}
+    sessions: list[Any] = []
+    for round_number in range(settings.rounds):
+        # one run id per round, shared by the strategies (same conversations, so the original's rendezvous routing
+        # is the same in every strategy); odd rounds run the strategies in reverse (ABBA: a drift in the machine's
+        # load weighs on both alike)
+        sessions = select_jobs(trace, settings, uuid.uuid4().hex[:8])
+        order = settings.strategies if round_number % 2 == 0 else settings.strategies[::-1]
+        for name in order:
+            run = StrategyRun(name, reset=await reset_prefix_caches(settings.engines, settings.engine_timeout_s))
+            before = os.getloadavg()[0]
+            async with strategy_client(name, settings, DEFAULT_SYSTEM_PROMPT, cache_tokens) as client:
+                advance = (lambda outcome, name=name: progress(name, outcome)) if progress else None
+                run.outcomes, run.wall_s = await replay(client, sessions, trace.multi_turn, settings, advance)
+            run.load_average = [(before, os.getloadavg()[0])]  # 1-minute load at start and end of the replay
+            check_losses(run)
+            runs[name].merge(run)
     return report_json(trace, settings, runs, engines, len(sessions))
 
 
@@ -263,6 +268,7 @@ def command(
     model: str = typer.Option("tiny", "--model", help="Served model name."),
     multi_turn: bool | None = typer.Option(None, "--multi-turn/--independent", help="Override the trace's flag."),
     seed: int = typer.Option(0, "--seed", help="Seed of the Poisson arrivals."),
+    rounds: int = typer.Option(1, "--rounds", min=1, max=10, help="Repeat the strategies (ABBA order), pooled."),
     plot: Path | None = typer.Option(None, "--plot", help="Write the TTFT CDF per strategy (PNG)."),
     json_output: bool = typer.Option(False, "--json", help="Print one JSON object on stdout."),
 ) -> None:
@@ -278,12 +284,12 @@ def command(
         settings = ServeSettings(
             engines=tuple(engine), upstream=upstream, proxy=proxy, kv_events=tuple(kv_events or ()),
             concurrency=concurrency, rate=rate, requests=requests, max_turns=max_turns, max_tokens=max_tokens,
-            timeout_s=timeout, engine_timeout_s=engine_timeout, model=model, seed=seed,
+            timeout_s=timeout, engine_timeout_s=engine_timeout, model=model, seed=seed, rounds=rounds,
             strategies=tuple(s.strip() for s in strategies.split(",") if s.strip()))
         if settings.kv_events and len(settings.kv_events) != len(settings.engines):
             raise CpMemoryError("give one --kv-events endpoint per --engine, in the same order")
         ttfts: dict[str, list[float]] = {name: [] for name in settings.strategies}
-        total = min(requests, len(trace.requests)) * len(settings.strategies)
+        total = min(requests, len(trace.requests)) * len(settings.strategies) * rounds
         with report_module.progress_bar(total, f"serve {trace.name}") as advance:
             def progress(name: str, outcome: Outcome) -> None:
                 if outcome.ttft_ms is not None:

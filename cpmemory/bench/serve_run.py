@@ -54,6 +54,7 @@ class ServeSettings(BaseModel):
     model: str = "tiny"
     strategies: tuple[str, ...] = STRATEGIES
     seed: int = 0
+    rounds: int = Field(1, ge=1, le=10, description="repeat the strategies, odd rounds in reverse order; pooled")
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,7 +93,18 @@ class StrategyRun:
     lost_blocks: int = 0
     unchecked: int = 0
     loss_samples: list[str] = field(default_factory=list)
-    load_average: tuple[float, float] = (0.0, 0.0)
+    load_average: list[tuple[float, float]] = field(default_factory=list)
+
+    def merge(self, other: StrategyRun) -> None:
+        """Pool another round of the same strategy into this one (outcomes, wall time, losses, resets, load)."""
+        self.outcomes.extend(other.outcomes)
+        self.wall_s += other.wall_s
+        self.lost_blocks += other.lost_blocks
+        self.unchecked += other.unchecked
+        self.loss_samples.extend(other.loss_samples)
+        for url, done in other.reset.items():
+            self.reset[url] = self.reset.get(url, True) and done
+        self.load_average.extend(other.load_average)
 
     def answered(self) -> list[Outcome]:
         """Outcomes without an error."""
@@ -125,7 +137,7 @@ class StrategyRun:
                 "loss_samples": self.loss_samples[:5], "reset": self.reset,
                 "working_set_tokens": working_set(self.outcomes),
                 "peak_working_set_tokens": peak_working_set(self.outcomes),
-                "machine_load_average": [round(value, 2) for value in self.load_average]}
+                "machine_load_average": [[round(a, 2), round(b, 2)] for a, b in self.load_average]}
 
 
 def percentile(values: Sequence[float], fraction: float) -> float:

@@ -172,3 +172,18 @@ def test_synthetic_fixed_block_length():
     trace = load_synthetic(requests=5, blocks_per_request=3, corpus_size=10, block_words=80, name="synthetic300")
     assert trace.name == "synthetic300"
     assert {len(block.text.split(". ", 1)[1].split()) for r in trace.requests for block in r.blocks} == {80}
+
+
+def test_rounds_pool_outcomes_losses_and_resets():
+    from cpmemory.bench.serve_run import Outcome
+
+    trace = multi_turn_trace(sessions=1, turns=2)
+    job = select_jobs(trace, settings_of(requests=2), "r")[0][0]
+    total = StrategyRun("cpmemory")
+    total.merge(StrategyRun("cpmemory", [Outcome(job, 0.0, 100.0, 120.0, 10, 5)], wall_s=1.0, reset={"u": True},
+                            lost_blocks=1, load_average=[(1.0, 2.0)]))
+    total.merge(StrategyRun("cpmemory", [Outcome(job, 0.0, 300.0, 320.0, 10, 5)], wall_s=3.0, reset={"u": False},
+                            load_average=[(2.0, 3.0)]))
+    figures = total.figures()
+    assert figures["ttft_mean_ms"] == 200.0 and figures["throughput_rps"] == 0.5 and figures["lost_blocks"] == 1
+    assert total.reset == {"u": False} and total.details()["machine_load_average"] == [[1.0, 2.0], [2.0, 3.0]]
