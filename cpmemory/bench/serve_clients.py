@@ -156,7 +156,7 @@ class ProxyClient:
         body = {"model": self.model, "messages": [{"role": "user", "content": query}],
                 "cpmemory": {"conversation_id": conversation,
                              "blocks": [{"id": block.id, "text": block.text} for block in blocks]},
-                **sampling(self.max_tokens)}
+                "stream_options": {"include_usage": True}, **sampling(self.max_tokens)}
         started = time.perf_counter()
         async with self.client.stream("POST", "/v1/chat/completions", json=body) as response:
             if response.status_code != 200:

@@ -40,6 +40,7 @@ def test_a_replica_killed_mid_run_fails_over_and_the_run_finishes(processes, str
     figures, details = report["strategies"][strategy], report["details"][strategy]
     assert details["requests"] == 24 and details["answered"] + figures["errors"] == 24
     assert figures["lost_blocks"] == 0 and details["unchecked"] == 0
+    assert figures["prompt_tokens"] > 0 and figures["cached_tokens"] > 0  # the engine's usage reached the client
     # turns in flight on the killed replica may break; the later ones all went to the survivor
     assert figures["errors"] <= 4, details["error_samples"]
     assert details["requests_per_replica"].get("1", 0) >= 24 - 6 - figures["errors"]
