@@ -135,6 +135,7 @@ class StrategyRun:
                 "errors_by_kind": dict(kinds), "error_samples": list(dict.fromkeys(errors))[:5],
                 "requests_per_replica": dict(sorted(replicas.items())), "unchecked": self.unchecked,
                 "loss_samples": self.loss_samples[:5], "reset": self.reset,
+                "replica_changes": replica_changes(self.outcomes),
                 "working_set_tokens": working_set(self.outcomes),
                 "peak_working_set_tokens": peak_working_set(self.outcomes),
                 "machine_load_average": [[round(a, 2), round(b, 2)] for a, b in self.load_average]}
@@ -146,6 +147,18 @@ def percentile(values: Sequence[float], fraction: float) -> float:
         return 0.0
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, max(0, math.ceil(fraction * len(ordered)) - 1))]
+
+
+def replica_changes(outcomes: Sequence[Outcome]) -> int:
+    """Answered turns sent to another replica than their conversation's previous answered turn (a history left
+    behind in the other replica's cache); 0 for independent requests."""
+    last: dict[str, int] = {}
+    changes = 0
+    for o in sorted((o for o in outcomes if o.error is None), key=lambda o: o.started_s):
+        previous = last.get(o.job.conversation)
+        changes += previous is not None and previous != o.replica
+        last[o.job.conversation] = o.replica
+    return changes
 
 
 def working_set(outcomes: Sequence[Outcome]) -> int:
