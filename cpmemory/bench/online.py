@@ -305,12 +305,7 @@ def run_online_strategy(name: str, trace: Trace, prepared: Sequence[PreparedRequ
             tokens = chat_tokens(built["messages"])
             cached = _serve(simulator, tokens, trace, index)
             windows.busy(len(tokens) - cached)
-            result.prompt_tokens += len(tokens)
-            result.cached_tokens += cached
-            result.dedup_tokens_saved += built["dedup_saved"]
-            result.annotation_tokens += built["annotation"]
-            result.cached_per_request.append(cached)
-            result.prompt_per_request.append(len(tokens))
+            result.record(built, len(tokens), cached)
             if progress is not None:
                 progress(1)
     return result

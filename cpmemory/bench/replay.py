@@ -305,12 +305,7 @@ def run_strategy(name: str, plan: StrategyPlan, trace: Trace, prepared: Sequence
         result.violations.extend(f"request {index}: {v}" for v in report.violations)
         tokens = chat_tokens(built["messages"])
         cached = simulator.run(tokens)
-        result.prompt_tokens += len(tokens)
-        result.cached_tokens += cached
-        result.dedup_tokens_saved += built["dedup_saved"]
-        result.annotation_tokens += built["annotation"]
-        result.cached_per_request.append(cached)
-        result.prompt_per_request.append(len(tokens))
+        result.record(built, len(tokens), cached)
         if result.prompts is not None:
             result.prompts.append(built["messages"])
         if progress is not None:

@@ -26,6 +26,15 @@ class StrategyResult:
     real: dict[str, Any] | None = None
     planning_seconds: float = 0.0
 
+    def record(self, built: dict[str, Any], prompt_tokens: int, cached: int) -> None:
+        """Add one served request: its prompt size, the cached part, and what its build saved and annotated."""
+        self.prompt_tokens += prompt_tokens
+        self.cached_tokens += cached
+        self.dedup_tokens_saved += built["dedup_saved"]
+        self.annotation_tokens += built["annotation"]
+        self.cached_per_request.append(cached)
+        self.prompt_per_request.append(prompt_tokens)
+
     @property
     def hit_rate(self) -> float:
         """Cached prompt tokens / prompt tokens."""

@@ -22,7 +22,7 @@ import functools
 import json
 import os
 import secrets
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from importlib import resources
@@ -325,10 +325,23 @@ class DirectScriptRunner:
     def __call__(self, call: ScriptCall) -> Any:
         """Run one script call: one round trip (three the first time a server sees the script)."""
         script = self._scripts[call.script]
+        return self._on_connection(lambda connection: self._evalsha(connection, script, call))
+
+    def run_many(self, calls: Sequence[ScriptCall]) -> list[Any]:
+        """Run several script calls in one round trip (one write, then the replies in order).
+
+        A reply that is an error is returned as the exception (the caller decides); a ``NOSCRIPT`` reply loads
+        that script and runs its call again on the same connection (the first time a server sees the script).
+        """
+        return self._on_connection(lambda connection: self._pipelined(connection, calls))
+
+    def _on_connection(self, send: Callable[[Any], Any]) -> Any:
+        """Run ``send`` on an idle connection, retrying a retryable error on a fresh one; a broken connection goes
+        back to the pool disconnected, a healthy one to the idle stack."""
         for attempt in range(self._attempts):
             connection = self._checkout()
             try:
-                reply = self._evalsha(connection, script, call)
+                reply = send(connection)
             except BaseException as error:
                 connection.disconnect()
                 self._pool.release(connection)
@@ -337,26 +350,6 @@ class DirectScriptRunner:
                 raise
             self._idle.append(connection)
             return reply
-        raise AssertionError("unreachable")  # pragma: no cover
-
-    def run_many(self, calls: Sequence[ScriptCall]) -> list[Any]:
-        """Run several script calls in one round trip (one write, then the replies in order).
-
-        A reply that is an error is returned as the exception (the caller decides); a ``NOSCRIPT`` reply loads
-        that script and runs its call again on the same connection (the first time a server sees the script).
-        """
-        for attempt in range(self._attempts):
-            connection = self._checkout()
-            try:
-                replies = self._pipelined(connection, calls)
-            except BaseException as error:
-                connection.disconnect()
-                self._pool.release(connection)
-                if isinstance(error, self._retryable) and attempt + 1 < self._attempts:
-                    continue
-                raise
-            self._idle.append(connection)
-            return replies
         raise AssertionError("unreachable")  # pragma: no cover
 
     def _pipelined(self, connection: Any, calls: Sequence[ScriptCall]) -> list[Any]:

@@ -41,9 +41,11 @@ def test_a_replica_killed_mid_run_fails_over_and_the_run_finishes(processes, str
     assert details["requests"] == 24 and details["answered"] + figures["errors"] == 24
     assert figures["lost_blocks"] == 0 and details["unchecked"] == 0
     assert figures["prompt_tokens"] > 0 and figures["cached_tokens"] > 0  # the engine's usage reached the client
-    # turns in flight on the killed replica may break; the later ones all went to the survivor
-    assert figures["errors"] <= 4, details["error_samples"]
-    assert details["requests_per_replica"].get("1", 0) >= 24 - 6 - figures["errors"]
+    # turns in flight on the killed replica (at most concurrency - 1 besides the sixth) may break or still finish
+    # there; every later one went to the survivor
+    in_flight = settings.concurrency - 1
+    assert figures["errors"] <= settings.concurrency, details["error_samples"]
+    assert details["requests_per_replica"].get("1", 0) >= 24 - 6 - in_flight - figures["errors"]
 
 
 def test_no_replica_left_errors_clearly_and_quickly(processes):
