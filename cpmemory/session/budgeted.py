@@ -23,10 +23,10 @@ from cpmemory.session.budget import PromptBudget, check_block_sizes
 from cpmemory.session.config import CpMemoryConfig
 from cpmemory.session.index import TenantIndexes
 from cpmemory.session.labels import LabelContext, assign_labels
+from cpmemory.session.turn_input import TurnInput
 from cpmemory.session.turns import (
     PreparedTurn,
     SegmentSource,
-    TurnInput,
     assemble_messages,
     plan_turn,
 )

@@ -32,12 +32,11 @@ from cpmemory.session.config import CpMemoryConfig
 from cpmemory.session.counters import FacadeCounters
 from cpmemory.session.index import Placement, TenantIndexes
 from cpmemory.session.segments import SegmentCache
+from cpmemory.session.turn_input import TurnInput, make_input
 from cpmemory.session.turns import (
     PreparedTurn,
-    TurnInput,
     commit_record,
     degraded_turn,
-    make_input,
     plan_turn,
     turn_counts,
 )

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 from cpmemory.types import Message, Reservation
 
 if TYPE_CHECKING:
-    from cpmemory.session.turns import TurnInput
+    from cpmemory.session.turn_input import TurnInput
 
 
 def window_start(turns: int, max_turns: int | None) -> int:
