@@ -10,6 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import cpmemory.core.invariants as invariants
+import cpmemory.session.turn_input as turn_input_module
 import cpmemory.session.turns as turns_module
 from cpmemory.core import annotations
 from cpmemory.core.blocks import Block
@@ -143,7 +144,7 @@ def test_a_first_id_wins_normalisation_double_is_caught(monkeypatch: pytest.Monk
                 blocks.append(block)
         return ResolvedBlocks(tuple(blocks), tuple(range(len(blocks))))
 
-    monkeypatch.setattr(turns_module, "resolve_blocks", first_wins)
+    monkeypatch.setattr(turn_input_module, "resolve_blocks", first_wins)
     turn = CpMemory().prepare("c", "When?", [HARBOR, MUSEUM])
     assert not check_no_loss([HARBOR, MUSEUM], turn.messages).ok
 
