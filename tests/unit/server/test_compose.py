@@ -8,7 +8,7 @@ import yaml
 
 from cpmemory.server.command import command
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def _compose() -> dict:

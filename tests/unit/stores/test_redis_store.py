@@ -1,5 +1,6 @@
-"""Redis-specific behaviour: outage mapping, NOSCRIPT recovery, one round trip per call, config validation,
-and a model-based check that the Redis store and the in-memory store agree on every operation sequence."""
+"""Redis-specific behaviour on fakeredis: outage mapping, NOSCRIPT recovery, config validation, both script paths,
+TTLs, and a model-based check that the Redis store and the in-memory store agree on every operation sequence (the
+real Redis: tests/integration/stores/test_redis_store_real.py)."""
 from __future__ import annotations
 
 import asyncio
@@ -8,7 +9,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cpmemory.bench.store_bench import RoundTripCounter
 from cpmemory.core.blocks import content_hash, label_for_hash
 from cpmemory.errors import (
     InvalidIdentifierError,
@@ -95,39 +95,6 @@ def test_scripts_reload_after_script_flush() -> None:
     client.script_flush()  # what a server restart does to the script cache
     assert store.commit(key, reservation.reservation_id, _record(_pairs("a"))) == 1
     assert set(store.reserve(key, ReserveRequest(blocks=_pairs("a"))).seen) == {content_hash("a")}
-
-
-@pytest.mark.redis
-def test_one_round_trip_per_call_on_real_redis(real_redis: str, run_prefix: str) -> None:
-    counter = RoundTripCounter()
-    config = RedisStoreConfig(prefix=run_prefix)
-    client = redis.Redis.from_url(real_redis, connection_class=counter.connection_class())
-    store = RedisSessionStore(client, config)
-    key = ConversationKey("tenant", "round-trips")
-    warm = store.reserve(key, ReserveRequest(blocks=()))  # first use loads the scripts (NOSCRIPT + LOAD)
-    store.commit(key, warm.reservation_id, TurnRecord((), ()))
-    store.abort(key, store.reserve(key, ReserveRequest(blocks=())).reservation_id)
-    for turn in range(5):
-        pairs = _pairs(*(f"block {turn} {i}" for i in range(15)))
-        before = counter.sends
-        reservation = store.reserve(key, ReserveRequest(blocks=pairs))
-        assert counter.sends - before == 1
-        store.commit(key, reservation.reservation_id, _record(pairs))
-        assert counter.sends - before == 2
-    store.delete(key)
-    client.close()
-
-
-@pytest.mark.redis
-def test_script_cache_flush_on_real_redis_recovers(real_redis: str, run_prefix: str) -> None:
-    client = redis.Redis.from_url(real_redis)
-    store = RedisSessionStore(client, RedisStoreConfig(prefix=run_prefix))
-    key = ConversationKey("tenant", "noscript")
-    reservation = store.reserve(key, ReserveRequest(blocks=_pairs("x")))
-    client.script_flush()
-    assert store.commit(key, reservation.reservation_id, _record(_pairs("x"))) == 1
-    store.delete(key)
-    client.close()
 
 
 operations = st.lists(
@@ -221,31 +188,6 @@ def test_both_script_paths_agree(direct: bool) -> None:
     store.close()
 
 
-def _hammer(store: RedisSessionStore, key: ConversationKey, worker: int, turns: int) -> list[int]:
-    numbers = []
-    for turn in range(turns):
-        pairs = _pairs(f"w{worker}-t{turn}", "shared")
-        reservation = store.reserve(key, ReserveRequest(blocks=pairs, include_transcript=False))
-        numbers.append(store.commit(key, reservation.reservation_id, _record(pairs)))
-    return numbers
-
-
-@pytest.mark.redis
-def test_direct_path_is_thread_safe(real_redis: str, run_prefix: str) -> None:
-    from concurrent.futures import ThreadPoolExecutor
-
-    store = RedisSessionStore.from_url(real_redis, RedisStoreConfig(prefix=run_prefix, socket_timeout_s=5.0))
-    key = ConversationKey("tenant", "threads")
-    with ThreadPoolExecutor(max_workers=8) as pool:
-        results = list(pool.map(lambda worker: _hammer(store, key, worker, 25), range(8)))
-    numbers = sorted(number for numbers in results for number in numbers)
-    assert numbers == list(range(1, 201))
-    state = store.load(key)
-    assert state.turns == 200 and len(state.transcript) == 400 and state.open_reservations == 0
-    store.delete(key)
-    store.close()
-
-
 @pytest.mark.parametrize("ttl_s", [0.0, 600.0])
 def test_every_key_gets_the_ttl(ttl_s: float) -> None:
     client = fakeredis.FakeRedis()
@@ -259,17 +201,3 @@ def test_every_key_gets_the_ttl(ttl_s: float) -> None:
     assert client.exists(*names) == len(names)  # state, log, paths, res (one open), done
     for name in names:  # no key is ever left without the conversation's expiry
         assert client.pttl(name) == (-1 if ttl_s == 0 else pytest.approx(600_000, abs=5_000))
-
-
-@pytest.mark.redis
-def test_large_turns_are_chunked_inside_the_scripts(real_redis: str, run_prefix: str) -> None:
-    store = RedisSessionStore.from_url(real_redis, RedisStoreConfig(prefix=run_prefix, socket_timeout_s=10.0))
-    key = ConversationKey("tenant", "large")
-    pairs = tuple((f"block-{i}", content_hash(f"text {i}")) for i in range(6000))  # > Lua's unpack limit
-    reservation = store.reserve(key, ReserveRequest(blocks=pairs))
-    assert store.commit(key, reservation.reservation_id, _record(pairs)) == 1
-    again = store.reserve(key, ReserveRequest(blocks=pairs, include_transcript=False))
-    assert len(again.seen) == 6000 and len(again.previous_hash_for_id) == 6000
-    assert again.seen[pairs[-1][1]] == SeenBlock("block-5999", pairs[-1][1], label_for_hash(pairs[-1][1]), 1)
-    store.delete(key)
-    store.close()

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from cpmemory.core.invariants import check_no_loss
 from tests.no_loss_cases import block_items, queries, tool_exchange
-from tests.server.conftest import Proxy
+from tests.unit.server.conftest import Proxy
 
 turns = st.lists(
     st.tuples(block_items, queries, st.booleans(), st.booleans(), st.booleans()), min_size=1, max_size=4

@@ -52,7 +52,7 @@ async def test_item5_the_query_extension_never_drops_the_last_user_message(proxy
 
 
 async def test_items6_to_8_a_stream_with_two_choices_stores_choice_0_and_the_next_turn_loses_nothing(proxy) -> None:
-    # items 6-8 are engineer wire's (tests/server/test_stream_and_encoding.py); this checks the next prompt whole
+    # items 6-8 are engineer wire's (tests/unit/server/test_stream_and_encoding.py); this checks the next prompt whole
     for engine in proxy.engines:
         engine.reply = lambda _body: "Alpha Beta Gamma"
     first = body([{"role": "user", "content": "Which?"}], [HARBOR])

@@ -1,31 +1,20 @@
-"""Store test fixtures: every SessionStore backend behind one small factory, plus a local Redis Cluster.
+"""Store contract fixtures: every SessionStore backend behind one small factory (``backend``).
 
-Backends: the in-memory store (manual clock), fakeredis (Lua through lupa), the real Redis on 127.0.0.1:6379
-(``CPM_REDIS_URL`` overrides; a key prefix unique to this run, deleted afterwards) and a local 3-master Redis Cluster
-started here with ``redis-server`` + ``redis-cli --cluster create`` and stopped at the end of the session.
+Backends: the in-memory store (manual clock), fakeredis (Lua through lupa), the real Redis (marker ``redis``) and a
+local Redis Cluster (marker ``cluster``), the last two from tests/conftest.py. ``make check`` runs the first two.
 """
 from __future__ import annotations
 
-import os
 import time
-import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import pytest
 
-from cpmemory.errors import StoreUnavailableError
 from cpmemory.stores.base import DEFAULT_MAX_TRANSCRIPT_TURNS
 from cpmemory.stores.redis_store import AsyncRedisSessionStore, RedisSessionStore, RedisStoreConfig
-from cpmemory.testing.local_redis import LocalRedisCluster, redis_binaries_available
-
-RUN_PREFIX = f"cpmtest-{uuid.uuid4().hex[:10]}"
-
-
-def redis_url() -> str:
-    """The real Redis used by the tests."""
-    return os.environ.get("CPM_REDIS_URL", "redis://127.0.0.1:6379/0")
+from tests.redis_env import RUN_PREFIX
 
 
 @dataclass
@@ -106,40 +95,6 @@ def _url_backend(name: str, url: str, cluster: bool) -> Backend:
         time.sleep,
         timing_slack_s=0.1,
     )
-
-
-@pytest.fixture(scope="session")
-def real_redis() -> Iterator[str]:
-    """URL of the real Redis (skips when it is not reachable); deletes this run's keys at the end."""
-    redis = pytest.importorskip("redis")
-    client = redis.Redis.from_url(redis_url(), socket_timeout=2, socket_connect_timeout=1)
-    try:
-        client.ping()
-    except redis.RedisError as error:
-        pytest.skip(f"real Redis not reachable at {redis_url()}: {error}")
-    yield redis_url()
-    for key in client.scan_iter(match=f"{RUN_PREFIX}*", count=1000):
-        client.delete(key)
-    client.close()
-
-
-@pytest.fixture
-def run_prefix() -> str:
-    """A key prefix for one test, under this run's prefix (so the session cleanup deletes its keys)."""
-    return f"{RUN_PREFIX}-{uuid.uuid4().hex[:8]}"
-
-
-@pytest.fixture(scope="session")
-def redis_cluster() -> Iterator[LocalRedisCluster]:
-    """A local 3-master Redis Cluster for the whole session (skips without redis-server / redis-cli)."""
-    if not redis_binaries_available():
-        pytest.skip("redis-server / redis-cli not on PATH")
-    try:
-        cluster = LocalRedisCluster(masters=3).start()
-    except StoreUnavailableError as error:
-        pytest.skip(str(error))
-    yield cluster
-    cluster.close()
 
 
 @pytest.fixture(

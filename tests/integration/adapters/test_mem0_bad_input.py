@@ -152,7 +152,7 @@ def test_import_without_mem0_names_the_install_command(monkeypatch: pytest.Monke
 def test_the_core_never_imports_an_integration() -> None:
     import pathlib
 
-    root = pathlib.Path(__file__).resolve().parents[2] / "cpmemory"
+    root = pathlib.Path(__file__).resolve().parents[3] / "cpmemory"
     adapters = ("langchain_cpmemory", "mem0_cpmemory", "integrations")
     offenders = [
         str(path)

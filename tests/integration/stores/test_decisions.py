@@ -13,8 +13,7 @@ from cpmemory.core.online import OnlineOrderer
 from cpmemory.facade import AsyncCpMemory, CpMemory
 from cpmemory.stores.decisions import DecisionLimits
 from cpmemory.stores.redis_store import AsyncRedisSessionStore, RedisSessionStore, RedisStoreConfig
-
-from .conftest import redis_url
+from tests.redis_env import redis_url
 
 redis = pytest.importorskip("redis")
 pytestmark = pytest.mark.redis

