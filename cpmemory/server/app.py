@@ -19,6 +19,7 @@ import hashlib
 import json
 import time
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import Any
 
 from cpmemory._version import __version__
@@ -36,6 +37,7 @@ from cpmemory.routing.router import Router
 from cpmemory.routing.transport import ChatTransport, HttpxChatTransport
 from cpmemory.server.budget import EngineBudget
 from cpmemory.server.config import ServerConfig
+from cpmemory.server.hold import Admission, HoldQueue, unheld
 from cpmemory.server.metrics import ProxyMetrics
 from cpmemory.server.salt import CacheSalts
 from cpmemory.server.schemas import (
@@ -46,8 +48,13 @@ from cpmemory.server.schemas import (
     HealthOut,
     ReplicaHealth,
 )
-from cpmemory.server.service import ProxyService, TurnMemory, engine_request_id, turn_input
+from cpmemory.server.service import ProxyService, TurnInput, TurnMemory, engine_request_id, turn_input
 from cpmemory.stores.base import AsyncSessionStore
+
+try:  # the endpoint's annotations are read at runtime by FastAPI (extra ``server``; create_app checks it is there)
+    from starlette.requests import Request
+except ImportError:  # pragma: no cover - depends on the environment
+    Request = Any  # type: ignore[misc,assignment]
 
 DEFAULT_TENANT = "default"
 
@@ -132,6 +139,7 @@ def create_app(
     salts = build_salts(config, store)
     service = ProxyService(memory or build_memory(config, store), dispatcher, metrics, salts)
     service.upstream = config.upstream is not None
+    service.hold = build_hold(config, service.memory, router, metrics)
     http_client = getattr(dispatcher.transport, "client", None)
     if config.prompt_budget and http_client is not None:
         settings = EngineSettings(base_url=targets[0], timeout_s=min(5.0, config.engine_timeout_s))
@@ -168,6 +176,17 @@ def create_app(
     _install_error_handlers(app)
     _install_routes(app, service, _TenantResolver(config.api_keys))
     return app
+
+
+def build_hold(config: ServerConfig, memory: TurnMemory, router: Router, metrics: ProxyMetrics) -> HoldQueue | None:
+    """The hold-and-release queue when ``max_in_flight`` is set: the facade's ``release_order`` plans each window
+    (a memory without it releases first come first served); the bound scales with the healthy replicas."""
+    if config.max_in_flight is None:
+        return None
+    release_order = getattr(memory, "release_order", None)
+    planner = None if release_order is None else (lambda requests, tenant: release_order(requests, tenant=tenant))
+    return HoldQueue(config.max_in_flight, config.hold_ms / 1000.0, replicas=router.healthy_count, planner=planner,
+                     observer=metrics)
 
 
 def build_view(config: ServerConfig) -> PrefixView | None:
@@ -240,12 +259,12 @@ def _relay_engine_client_error(error: EngineStatusError) -> Any:
 
 def _install_routes(app: Any, service: ProxyService, resolve_tenant: _TenantResolver) -> None:
     from fastapi import Header
-    from fastapi.responses import JSONResponse, StreamingResponse
-    from starlette.background import BackgroundTask
+    from fastapi.responses import Response, StreamingResponse
 
     @app.post("/v1/chat/completions", responses=ERROR_RESPONSES)
     async def chat_completions(
         request: ChatCompletionRequest,
+        raw: Request,
         authorization: str | None = Header(default=None),
         x_cpmemory_conversation: str | None = Header(default=None, max_length=1024),
     ) -> Any:
@@ -253,33 +272,97 @@ def _install_routes(app: Any, service: ProxyService, resolve_tenant: _TenantReso
         tenant = resolve_tenant(authorization)
         if tenant is None:
             return _unauthorized()
+        turn = None
+        if request.cpmemory is not None or x_cpmemory_conversation is not None:
+            try:
+                turn = turn_input(request, x_cpmemory_conversation)
+            except InvalidInputError as error:  # rejected before it is held: nothing waits for a bad request
+                return error_response(400, "invalid_request_error", "invalid_input", str(error))
+        admission = await admit(service, raw, tenant, turn)
+        if admission is None:  # the client went away while held: nothing was prepared or sent
+            return Response(status_code=499)
+        response = None
         try:
-            if request.cpmemory is None and x_cpmemory_conversation is None:
-                return await _plain(service, request, tenant, started)
-            turn = turn_input(request, x_cpmemory_conversation)
-            prepared = await service.prepare(tenant, turn, request)
-        except InvalidInputError as error:
-            return error_response(400, "invalid_request_error", "invalid_input", str(error))
-        except EngineError as error:
-            return _engine_error(error)
-        try:
-            if request.stream:
-                opened = await service.open_turn_stream(request, tenant, turn, prepared)
-                headers = {"X-Cpmemory-Request-Id": engine_request_id(prepared),
-                           "X-Cpmemory-Replica": str(opened.decision.index)}
-                overhead = time.perf_counter() - started - opened.engine_seconds
-                # the background release is a safety net for a client gone before the body started (idempotent)
-                return StreamingResponse(service.relay_stream(opened, prepared, overhead),
-                                         media_type="text/event-stream", headers=headers,
-                                         background=BackgroundTask(opened.release))
-            outcome = await service.run_turn(request, tenant, turn, prepared, started)
-        except InvalidInputError as error:  # e.g. text that cannot be encoded; the turn was aborted
-            return error_response(400, "invalid_request_error", "invalid_input", str(error))
-        except EngineError as error:
-            return _engine_error(error)
-        return JSONResponse(outcome.body)
+            # hold time is its own histogram (cpmemory_hold_seconds), not middleware overhead
+            response = await _respond(service, request, tenant, turn, started + admission.waited_s, admission)
+            return response
+        finally:
+            if not isinstance(response, StreamingResponse):  # a stream gives the slot back when it is released
+                admission.done()
 
     _install_operations(app, service, resolve_tenant)
+
+
+async def _respond(service: ProxyService, request: ChatCompletionRequest, tenant: str, turn: TurnInput | None,
+                   started: float, admission: Admission) -> Any:
+    """Serve an admitted request: pass it through, or prepare the turn (at release time, so the window planner's
+    block orders apply) and run it."""
+    from fastapi.responses import JSONResponse, StreamingResponse
+    from starlette.background import BackgroundTask
+
+    try:
+        if turn is None:
+            return await _plain(service, request, tenant, started, admission)
+        prepared = await service.prepare(tenant, turn, request)
+    except InvalidInputError as error:
+        return error_response(400, "invalid_request_error", "invalid_input", str(error))
+    except EngineError as error:
+        return _engine_error(error)
+    try:
+        if request.stream:
+            opened = replace(await service.open_turn_stream(request, tenant, turn, prepared), admission=admission)
+            headers = {"X-Cpmemory-Request-Id": engine_request_id(prepared),
+                       "X-Cpmemory-Replica": str(opened.decision.index)}
+            overhead = time.perf_counter() - started - opened.engine_seconds
+            # the background release is a safety net for a client gone before the body started (idempotent)
+            return StreamingResponse(service.relay_stream(opened, prepared, overhead),
+                                     media_type="text/event-stream", headers=headers,
+                                     background=BackgroundTask(opened.release))
+        outcome = await service.run_turn(request, tenant, turn, prepared, started)
+    except InvalidInputError as error:  # e.g. text that cannot be encoded; the turn was aborted
+        return error_response(400, "invalid_request_error", "invalid_input", str(error))
+    except EngineError as error:
+        return _engine_error(error)
+    return JSONResponse(outcome.body)
+
+
+async def admit(service: ProxyService, raw: Any, tenant: str, turn: TurnInput | None) -> Admission | None:
+    """The request's admission by the hold queue (at once when it is off or a slot is free); None when the client
+    disconnected while held (the request left the queue)."""
+    hold = service.hold
+    if hold is None:
+        return unheld()
+    admission = hold.try_admit()
+    if admission is not None:
+        return admission
+    waiter = asyncio.ensure_future(hold.admit(tenant, turn.blocks if turn is not None else ()))
+    gone = asyncio.ensure_future(_disconnected(raw))
+    try:
+        await asyncio.wait({waiter, gone}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:  # this handler was cancelled: leave the queue (or give back a slot just granted)
+        _abandon(waiter)
+        raise
+    finally:
+        gone.cancel()
+    if waiter.done():
+        return waiter.result()  # released (even if the client left at the same moment: the turn runs, no loss)
+    _abandon(waiter)
+    return None
+
+
+def _abandon(waiter: asyncio.Future[Admission]) -> None:
+    if not waiter.done():
+        waiter.cancel()  # HoldQueue.admit removes the entry, or gives back the slot of a release it did not see
+    elif not waiter.cancelled() and waiter.exception() is None:
+        waiter.result().done()
+
+
+async def _disconnected(raw: Any) -> None:
+    """Return when the client disconnects (the body was read: the next ASGI message is the disconnect)."""
+    while True:
+        message = await raw.receive()
+        if message.get("type") == "http.disconnect":
+            return
 
 
 def _unauthorized() -> Any:
@@ -315,6 +398,9 @@ def _install_operations(app: Any, service: ProxyService, resolve_tenant: _Tenant
     async def metrics() -> Any:
         if service.kv_sync is not None:
             service.metrics.observe_kv_sync(service.kv_sync.stats(), service.kv_sync.failures)
+        if service.hold is not None:
+            service.metrics.hold_admitted.set(service.hold.admitted)
+            service.metrics.hold_waiting.set(service.hold.waiting)
         view = service.dispatcher.router.view
         if isinstance(view, EventPrefixView):
             service.metrics.observe_prefix_view(view, len(service.dispatcher.router.urls))
@@ -322,12 +408,13 @@ def _install_operations(app: Any, service: ProxyService, resolve_tenant: _Tenant
         return Response(body, media_type=content_type)
 
 
-async def _plain(service: ProxyService, request: ChatCompletionRequest, tenant: str, started: float) -> Any:
+async def _plain(service: ProxyService, request: ChatCompletionRequest, tenant: str, started: float,
+                 admission: Admission) -> Any:
     from fastapi.responses import JSONResponse, StreamingResponse
     from starlette.background import BackgroundTask
 
     if request.stream:
-        opened = await service.open_pass_through_stream(request, tenant)
+        opened = replace(await service.open_pass_through_stream(request, tenant), admission=admission)
         overhead = time.perf_counter() - started - opened.engine_seconds
         return StreamingResponse(service.relay_stream(opened, None, overhead), media_type="text/event-stream",
                                  background=BackgroundTask(opened.release))

@@ -14,6 +14,8 @@ Behind a gateway that picks the replica (vllm-router, llm-d, an SGLang router)::
 
 API keys map to tenants: ``--api-key KEY=TENANT`` (repeatable) or ``--api-keys-file FILE`` (a JSON object
 ``{"KEY": "TENANT"}``, which keeps keys out of the process list). Without keys every caller is tenant ``default``.
+
+``--max-in-flight N [--hold-ms MS]`` turns on the hold-and-release queue (cpmemory.server.hold).
 """
 from __future__ import annotations
 
@@ -80,6 +82,13 @@ def command(
         help="Key of per-tenant cache salts (16+ characters). Default: generated and kept in Redis (--redis), "
         "or per process; required with API keys and no Redis.", show_default=False,
     ),
+    max_in_flight: int | None = typer.Option(
+        None, "--max-in-flight", min=1, show_default=False,
+        help="Requests one replica can run at once (vLLM's --max-num-seqs). While the proxy has that many per healthy "
+        "replica in flight, arriving requests are held (at most --hold-ms) and released together in the window "
+        "planner's order. Default: off, nothing is held."),
+    hold_ms: float = typer.Option(_FIELDS["hold_ms"].default, "--hold-ms",
+                                  help="The longest a request is held, in milliseconds (with --max-in-flight)."),
     log_level: str = typer.Option("warning", "--log-level", help="uvicorn log level."),
 ) -> None:
     """Start the proxy (blocks until interrupted)."""
@@ -107,7 +116,7 @@ def command(
             api_keys=parse_api_keys(api_key, api_keys_file), cache_salt_secret=cache_salt_secret,
             engine_timeout_s=engine_timeout, kv_events=kv_events,
             upstream=upstream, router=RouterConfig(policy=router_policy),  # type: ignore[arg-type]
-            replica_cache_tokens=replica_cache_tokens,
+            replica_cache_tokens=replica_cache_tokens, max_in_flight=max_in_flight, hold_ms=hold_ms,
         )
     except ValidationError as error:
         raise typer.BadParameter(str(error)) from error

@@ -45,6 +45,10 @@ class ServerConfig(BaseModel):
         prompt_budget: fit every cpmemory turn's prompt to the engine: ``max_model_len`` (``/v1/models``) minus the
             request's ``max_tokens``, counted by the engine's ``/tokenize`` when offered (cpmemory.server.budget).
         answer_reserve_tokens: answer tokens reserved for a request that gives no ``max_tokens``.
+        max_in_flight: requests one replica can run at once (vLLM's ``--max-num-seqs``); while the proxy has that
+            many per healthy replica in flight, arriving requests are held and released together in the window
+            planner's order (cpmemory.server.hold). None (the default): nothing is held.
+        hold_ms: the longest a request is held (milliseconds).
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -62,6 +66,8 @@ class ServerConfig(BaseModel):
     replica_cache_tokens: int = Field(default=1_000_000, ge=0, description="per replica, for the sent view")
     prompt_budget: bool = True
     answer_reserve_tokens: int = Field(default=1024, ge=1)
+    max_in_flight: int | None = Field(default=None, ge=1, description="per replica; None: the hold queue is off")
+    hold_ms: float = Field(default=5.0, gt=0, le=1000, description="the longest a request is held")
 
     @field_validator("cache_salt_secret")
     @classmethod

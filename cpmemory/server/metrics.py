@@ -5,12 +5,14 @@ input, so the number of series is bounded whatever the traffic.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from cpmemory.errors import MissingDependencyError
 from cpmemory.types import BLOCK_STATUSES
 
 OVERHEAD_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
+HOLD_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1.0)
 
 
 class ProxyMetrics:
@@ -65,6 +67,49 @@ class ProxyMetrics:
             "batches)", ["replica", "counter"], registry=registry)
         self.kv_sync_failures = Gauge("cpmemory_kv_sync_failures", "Prompt registrations that failed",
                                       registry=registry)
+        self._hold_metrics(Counter, Gauge, Histogram)
+
+    def _hold_metrics(self, counter: Any, gauge: Any, histogram: Any) -> None:
+        """The hold-and-release queue's metrics (cpmemory.server.hold); this object is its observer."""
+        registry = self.registry
+        self.hold_held = counter("cpmemory_hold_held", "Requests held while the replicas were full",
+                                 registry=registry)
+        self.hold_waiting = gauge("cpmemory_hold_waiting", "Requests held now", registry=registry)
+        self.hold_admitted = gauge("cpmemory_hold_admitted", "Requests admitted whose engine call has not ended",
+                                   registry=registry)
+        self.hold_seconds = histogram("cpmemory_hold_seconds", "How long a held request waited",
+                                      buckets=HOLD_BUCKETS, registry=registry)
+        self.hold_releases = counter(
+            "cpmemory_hold_releases", "Windows of held requests released, by reason (slot: a request ended; "
+            "timeout: the oldest waited hold_ms) and order (planner: the window planner ordered it; fcfs: arrival "
+            "order, no planner, a planner failure or nothing to order)", ["reason", "order"], registry=registry)
+        self.hold_released = counter("cpmemory_hold_released", "Held requests released, by reason", ["reason"],
+                                     registry=registry)
+        self.hold_cancelled = counter("cpmemory_hold_cancelled", "Held requests whose client went away",
+                                      registry=registry)
+
+    # -- HoldObserver (cpmemory.server.hold) ----------------------------------------------------------------
+    def held(self, waiting: int) -> None:
+        """A request started waiting."""
+        self.hold_held.inc()
+        self.hold_waiting.set(waiting)
+
+    def released(self, reason: str, order: str, waits_s: Sequence[float]) -> None:
+        """A window of held requests was released."""
+        self.hold_releases.labels(reason=reason, order=order).inc()
+        self.hold_released.labels(reason=reason).inc(len(waits_s))
+        for wait in waits_s:
+            self.hold_seconds.observe(wait)
+        self.hold_waiting.set(0)
+
+    def cancelled(self, waiting: int) -> None:
+        """A held request's client went away."""
+        self.hold_cancelled.inc()
+        self.hold_waiting.set(waiting)
+
+    def planner_failed(self) -> None:
+        """The window planner failed: that window went first come first served."""
+        self.fallbacks.labels(kind="hold_planner").inc()
 
     def observe_blocks(self, statuses: list[str]) -> None:
         """Count one request's block decisions."""

@@ -2,8 +2,9 @@
 
 Flow of a request carrying the ``cpmemory`` extension (or the ``X-Cpmemory-Conversation`` header)::
 
-    prepare (facade: dedup, reorder, annotate)  ->  dispatch to the conversation's replica (failover)
-        -> success: commit the answer          -> failure: abort (the stored state is unchanged)
+    [hold while the replicas are full (server.hold), release in planner order]
+        -> prepare (facade: dedup, reorder, annotate)  ->  dispatch to the conversation's replica (failover)
+        -> success: commit the answer                  -> failure: abort (the stored state is unchanged)
 
 Without the extension the request is passed through. Routing (``routing.router``): a request that carries no
 conversation history (a plain request, a conversation's first turn) goes where its prompt's prefix is cached, load
@@ -36,6 +37,7 @@ from cpmemory.routing.dispatch import NO_HINT, Dispatcher, DispatchResult, Route
 from cpmemory.routing.prefix import text_blocks
 from cpmemory.routing.router import RouteDecision, conversation_affinity_key
 from cpmemory.server.budget import MAX_REPLANS, EngineBudget, requested_answer_tokens, tighter_budget
+from cpmemory.server.hold import Admission, HoldQueue
 from cpmemory.server.metrics import ProxyMetrics
 from cpmemory.server.salt import CacheSalts
 from cpmemory.server.schemas import ChatCompletionRequest, ChatMessage
@@ -78,10 +80,12 @@ class TurnInput:
 
 @dataclass(frozen=True, slots=True)
 class OpenedStream:
-    """An engine stream the proxy relays: the dispatch, and whether to strip the usage the client did not ask for."""
+    """An engine stream the proxy relays: the dispatch, whether to strip the usage the client did not ask for, and
+    the hold queue's admission (its slot is given back when the stream is released)."""
 
     dispatch: StreamDispatch
     strip_usage: bool
+    admission: Admission | None = None
 
     @property
     def decision(self) -> RouteDecision:
@@ -95,7 +99,11 @@ class OpenedStream:
 
     async def release(self) -> None:
         """Close the stream and stop counting it in flight (idempotent)."""
-        await self.dispatch.release()
+        try:
+            await self.dispatch.release()
+        finally:
+            if self.admission is not None:
+                self.admission.done()
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,6 +174,7 @@ class ProxyService:
         self.upstream = False  # True behind a gateway: it picks the replica, the proxy sends no routing hint
         self.engine_budget: EngineBudget | None = None  # set by create_app (cpmemory.server.budget)
         self.answer_reserve_tokens = 1024  # answer tokens reserved when a request gives no max_tokens
+        self.hold: HoldQueue | None = None  # the hold-and-release queue, when max_in_flight is set (create_app)
 
     async def route_hint(self, payload: Mapping[str, Any], sticky: bool, remember: bool = True) -> RouteHint:
         """The router's hint for one engine payload: its prompt blocks (engine hashes when the replicas publish KV

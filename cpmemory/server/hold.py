@@ -1,0 +1,259 @@
+"""The proxy's hold-and-release queue: while the replicas are full, arriving requests wait a few milliseconds and
+are released together, in the window planner's order.
+
+::
+
+    arrival ──► try_admit ── a slot is free and nobody waits ──► run now            (reason "immediate")
+                   │
+                   └── full, or others already wait ──► held (at most hold_s)
+                                                          │
+              a request ends and frees a slot ────────────┤──► release every held request ("slot")
+              the oldest held request waited hold_s ──────┘    ("timeout"), in the planner's order
+
+A replica that already runs as many requests as it can (``max_in_flight``, e.g. vLLM's ``--max-num-seqs``) would
+only queue the next ones, first come first served. Holding them in the proxy instead costs at most ``hold_s`` and
+lets the facade's window planner (``CpMemory.release_order``) order the waiting requests *together*: a request's
+blocks that later waiting requests also hold go first, so those reuse its prefix. The held requests are prepared
+(their block order decided) only after their release, which is why the queue sits before ``prepare``.
+
+What the queue counts: requests admitted (immediately or by a release) whose engine call has not ended
+(:meth:`Admission.done`). The replica a request runs on is chosen by the router *after* it is prepared (its prompt
+decides the prefix score), so the queue cannot know it in advance: it compares the proxy's admitted requests with
+``max_in_flight`` times the healthy replicas (one target behind a gateway: the bound is then the fleet's).
+
+A release hands out *every* held request, even past the bound: the hold is a short gathering window, not a second
+engine queue (the engine still queues what it cannot run, now in the planner's order). Nothing is ever lost or
+starved: a held request waits at most ``hold_s`` (plus the loop's latency); one whose waiter is cancelled (the
+client went away) is removed, and one cancelled just after its release gives its slot back. The planner failing
+(or missing) releases the window first come first served. Use from one event loop.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Literal, Protocol
+
+from cpmemory.core.blocks import Block
+
+logger = logging.getLogger(__name__)
+
+AdmissionReason = Literal["immediate", "slot", "timeout"]
+ReleaseOrder = Literal["planner", "fcfs"]
+
+Planner = Callable[[Sequence[Sequence[Block]], str], Sequence[int]]
+"""``planner(requests, tenant)``: the order to run a tenant's waiting requests in (a permutation of their positions),
+e.g. ``lambda requests, tenant: memory.release_order(requests, tenant=tenant)``."""
+
+
+class HoldObserver(Protocol):
+    """What the queue reports (the proxy's metrics implement it; the default records nothing)."""
+
+    def held(self, waiting: int) -> None:
+        """A request started waiting; ``waiting`` are held now."""
+
+    def released(self, reason: AdmissionReason, order: ReleaseOrder, waits_s: Sequence[float]) -> None:
+        """A window was released: why, in which order, and how long each of its requests waited."""
+
+    def cancelled(self, waiting: int) -> None:
+        """A held request's waiter was cancelled (its client went away); ``waiting`` are held now."""
+
+    def planner_failed(self) -> None:
+        """The planner raised or returned something other than a permutation: that window went FCFS."""
+
+
+class _NullObserver:
+    def held(self, waiting: int) -> None:
+        pass
+
+    def released(self, reason: AdmissionReason, order: ReleaseOrder, waits_s: Sequence[float]) -> None:
+        pass
+
+    def cancelled(self, waiting: int) -> None:
+        pass
+
+    def planner_failed(self) -> None:
+        pass
+
+
+@dataclass(slots=True)
+class Admission:
+    """A request's permission to run. Call :meth:`done` once its engine call has ended (idempotent).
+
+    Attributes:
+        reason: ``immediate`` (not held), ``slot`` (released when a request ended) or ``timeout`` (waited hold_s).
+        waited_s: how long the request was held.
+        position: its place in its release (0 = first sent), 0 when not held.
+    """
+
+    reason: AdmissionReason
+    waited_s: float = 0.0
+    position: int = 0
+    _queue: HoldQueue | None = field(default=None, repr=False)
+
+    def done(self) -> None:
+        """The request's engine call ended (or it will not be sent): give its slot back. Idempotent."""
+        queue, self._queue = self._queue, None
+        if queue is not None:
+            queue._finished()
+
+
+def unheld() -> Admission:
+    """An admission outside any queue (the queue is off); its ``done`` does nothing."""
+    return Admission("immediate")
+
+
+@dataclass(slots=True)
+class _Held:
+    tenant: str
+    blocks: tuple[Block, ...]
+    arrived: float
+    future: asyncio.Future[Admission]
+
+
+class HoldQueue:
+    """Holds requests while the replicas are full and releases them in planner order. See the module docstring.
+
+    Args:
+        max_in_flight: requests one replica can run at once.
+        hold_s: the longest a request is held.
+        replicas: how many replicas are healthy now (the bound is ``max_in_flight`` times that, at least one).
+        planner: orders a tenant's waiting requests; None releases first come first served.
+        observer: receives the queue's events (metrics).
+    """
+
+    def __init__(self, max_in_flight: int, hold_s: float, *, replicas: Callable[[], int] = lambda: 1,
+                 planner: Planner | None = None, observer: HoldObserver | None = None) -> None:
+        if max_in_flight < 1 or hold_s <= 0:
+            raise ValueError("max_in_flight must be >= 1 and hold_s > 0")
+        self.max_in_flight = max_in_flight
+        self.hold_s = hold_s
+        self._replicas = replicas
+        self._planner = planner
+        self._observer: HoldObserver = observer or _NullObserver()
+        self._held: list[_Held] = []
+        self._admitted = 0
+        self._timer: asyncio.TimerHandle | None = None
+
+    @property
+    def admitted(self) -> int:
+        """Requests admitted whose engine call has not ended."""
+        return self._admitted
+
+    @property
+    def waiting(self) -> int:
+        """Requests held now."""
+        return len(self._held)
+
+    def capacity(self) -> int:
+        """``max_in_flight`` times the healthy replicas (at least one replica's worth)."""
+        return self.max_in_flight * max(1, self._replicas())
+
+    def try_admit(self) -> Admission | None:
+        """Admit a request now if a slot is free and nobody is held (held ones are never overtaken). O(1)."""
+        if self._held or self._admitted >= self.capacity():
+            return None
+        self._admitted += 1
+        return Admission("immediate", _queue=self)
+
+    async def admit(self, tenant: str, blocks: Sequence[Block] = ()) -> Admission:
+        """Admit a request: at once when a slot is free, else after it was held (at most ``hold_s``).
+
+        Args:
+            tenant: whose index plans the request's window.
+            blocks: the request's blocks (none for a plain request: it keeps its place, first come first served).
+
+        A cancelled waiter leaves the queue (nothing to undo); one released but cancelled before it resumed gives
+        its slot back.
+        """
+        admission = self.try_admit()
+        if admission is not None:
+            return admission
+        loop = asyncio.get_running_loop()
+        entry = _Held(tenant, tuple(blocks), loop.time(), loop.create_future())
+        self._held.append(entry)
+        if self._timer is None:  # the oldest held request sets the deadline of the whole window
+            self._timer = loop.call_later(self.hold_s, self._release, "timeout")
+        self._observer.held(len(self._held))
+        try:
+            return await entry.future
+        except asyncio.CancelledError:
+            self._forget(entry)
+            raise
+
+    def _forget(self, entry: _Held) -> None:
+        if entry in self._held:
+            self._held.remove(entry)
+            if not self._held:
+                self._cancel_timer()
+        elif entry.future.done() and not entry.future.cancelled():
+            entry.future.result().done()  # released, but its request will not run
+        self._observer.cancelled(len(self._held))
+
+    def _finished(self) -> None:
+        self._admitted = max(0, self._admitted - 1)
+        if self._held and self._admitted < self.capacity():
+            self._release("slot")
+
+    def _cancel_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _release(self, reason: AdmissionReason) -> None:
+        """Release every held request, in planner order (the futures resolve in that order, so their tasks resume,
+        are prepared and are sent in that order)."""
+        self._cancel_timer()
+        window = [entry for entry in self._held if not entry.future.done()]
+        self._held = []
+        if not window:
+            return
+        order, planned = self._order(window)
+        now = asyncio.get_running_loop().time()
+        waits = []
+        for position, index in enumerate(order):
+            entry = window[index]
+            waits.append(now - entry.arrived)
+            self._admitted += 1
+            entry.future.set_result(Admission(reason, waits[-1], position, self))
+        self._observer.released(reason, "planner" if planned else "fcfs", waits)
+
+    def _order(self, window: list[_Held]) -> tuple[list[int], bool]:
+        """The release order of ``window``: each tenant's requests with blocks are ordered by the planner among
+        the positions they hold; the rest keep their arrival positions. Returns (order, whether planned)."""
+        order = list(range(len(window)))
+        if self._planner is None:
+            return order, False
+        groups: dict[str, list[int]] = {}
+        for index, entry in enumerate(window):
+            if entry.blocks:
+                groups.setdefault(entry.tenant, []).append(index)
+        planned = False
+        failed = False
+        for tenant, positions in groups.items():
+            if len(positions) < 2:
+                continue  # nothing to order: prepare orders a lone request itself
+            permutation = self._plan(tenant, [window[index].blocks for index in positions])
+            if permutation is None:
+                failed = True
+                continue
+            for slot, chosen in zip(positions, permutation):
+                order[slot] = positions[chosen]
+            planned = True
+        return order, planned and not failed
+
+    def _plan(self, tenant: str, requests: list[tuple[Block, ...]]) -> list[int] | None:
+        assert self._planner is not None
+        try:
+            permutation = [int(position) for position in self._planner(requests, tenant)]
+        except Exception as error:  # noqa: BLE001 - any planner failure means first come first served
+            logger.warning("hold queue: the planner failed (%s); releasing in arrival order", error)
+            self._observer.planner_failed()
+            return None
+        if sorted(permutation) != list(range(len(requests))):
+            logger.warning("hold queue: the planner returned no permutation; releasing in arrival order")
+            self._observer.planner_failed()
+            return None
+        return permutation
+

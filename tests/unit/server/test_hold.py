@@ -1,0 +1,225 @@
+"""The hold-and-release queue (cpmemory.server.hold), on its own: who waits, when a window is released, in which
+order, and that a cancelled waiter leaves nothing behind."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from cpmemory.core.blocks import Block
+from cpmemory.facade import AsyncCpMemory
+from cpmemory.server.hold import HoldQueue
+
+LONG = 30.0  # a hold that never expires within a test: releases come from slots
+
+
+def blocks(*ids: int) -> tuple[Block, ...]:
+    return tuple(Block(str(i), f"document {i} " + "word " * (4 + i)) for i in ids)
+
+
+class Recorder:
+    """A HoldObserver that keeps what it was told."""
+
+    def __init__(self) -> None:
+        self.releases: list[tuple[str, str, int]] = []
+        self.cancels = 0
+        self.failures = 0
+        self.held_now: list[int] = []
+
+    def held(self, waiting: int) -> None:
+        self.held_now.append(waiting)
+
+    def released(self, reason, order, waits_s) -> None:
+        self.releases.append((reason, order, len(waits_s)))
+
+    def cancelled(self, waiting: int) -> None:
+        self.cancels += 1
+
+    def planner_failed(self) -> None:
+        self.failures += 1
+
+
+async def start_waiters(queue: HoldQueue, requests, tenant: str = "t"):
+    """One task per request, each appending (its name, its admission) once admitted; returns (tasks, admitted)."""
+    admitted: list = []
+
+    async def wait(name, request_blocks, who):
+        admission = await queue.admit(who, request_blocks)
+        admitted.append((name, admission))
+        return admission
+
+    tasks = []
+    for name, request_blocks, *who in requests:
+        tasks.append(asyncio.ensure_future(wait(name, request_blocks, who[0] if who else tenant)))
+        await asyncio.sleep(0)  # each reaches the queue before the next: arrival order is the list's
+    return tasks, admitted
+
+
+def reverse_planner(calls: list):
+    def plan(requests, tenant):
+        calls.append((tenant, len(requests)))
+        return list(reversed(range(len(requests))))
+
+    return plan
+
+
+async def test_below_the_bound_nobody_waits_and_a_slot_releases_the_window_in_planner_order():
+    calls: list = []
+    recorder = Recorder()
+    queue = HoldQueue(2, LONG, planner=reverse_planner(calls), observer=recorder)
+    first, second = queue.try_admit(), await queue.admit("t", blocks(1))
+    assert first is not None and first.reason == "immediate" and second.reason == "immediate"
+    assert queue.try_admit() is None and queue.admitted == 2
+    tasks, admitted = await start_waiters(queue, [("a", blocks(1, 2)), ("b", blocks(2, 3)), ("c", blocks(3, 4))])
+    assert queue.waiting == 3 and admitted == [] and recorder.held_now == [1, 2, 3]
+    first.done()
+    await asyncio.gather(*tasks)
+    assert [name for name, _ in admitted] == ["c", "b", "a"]  # the planner's order, not the arrival order
+    assert [admission.position for _, admission in admitted] == [0, 1, 2]
+    assert {admission.reason for _, admission in admitted} == {"slot"}
+    assert calls == [("t", 3)]
+    assert recorder.releases == [("slot", "planner", 3)]
+    assert queue.waiting == 0 and queue.admitted == 4  # the whole window runs, past the bound
+    first.done()  # idempotent: the slot is given back once
+    assert queue.admitted == 4
+    for _, admission in admitted:
+        admission.done()
+    second.done()
+    assert queue.admitted == 0
+
+
+async def test_the_oldest_waits_at_most_hold_s_then_every_held_request_is_released():
+    recorder = Recorder()
+    hold_s = 0.03
+    queue = HoldQueue(1, hold_s, planner=reverse_planner([]), observer=recorder)
+    running = queue.try_admit()
+    tasks, admitted = await start_waiters(queue, [("a", blocks(1)), ("b", blocks(2))])
+    await asyncio.wait_for(asyncio.gather(*tasks), timeout=5)
+    assert running is not None and queue.admitted == 3
+    assert {admission.reason for _, admission in admitted} == {"timeout"}
+    assert all(admission.waited_s >= hold_s * 0.9 for _, admission in admitted)
+    assert recorder.releases == [("timeout", "planner", 2)]
+
+
+async def test_a_failing_planner_releases_first_come_first_served():
+    def broken(requests, tenant):
+        raise RuntimeError("planner down")
+
+    recorder = Recorder()
+    queue = HoldQueue(1, LONG, planner=broken, observer=recorder)
+    running = queue.try_admit()
+    tasks, admitted = await start_waiters(queue, [("a", blocks(1)), ("b", blocks(2)), ("c", blocks(3))])
+    running.done()
+    await asyncio.gather(*tasks)
+    assert [name for name, _ in admitted] == ["a", "b", "c"]
+    assert recorder.releases == [("slot", "fcfs", 3)] and recorder.failures == 1
+
+
+@pytest.mark.parametrize("answer", [[0, 0], [0], [0, 1, 2], ["x", 1]])
+async def test_a_planner_answer_that_is_not_a_permutation_is_not_followed(answer):
+    recorder = Recorder()
+    queue = HoldQueue(1, LONG, planner=lambda requests, tenant: answer, observer=recorder)
+    running = queue.try_admit()
+    tasks, admitted = await start_waiters(queue, [("a", blocks(1)), ("b", blocks(2))])
+    running.done()
+    await asyncio.gather(*tasks)
+    assert [name for name, _ in admitted] == ["a", "b"]
+    assert recorder.failures == 1 and recorder.releases == [("slot", "fcfs", 2)]
+
+
+async def test_without_a_planner_the_release_is_fcfs():
+    queue = HoldQueue(1, LONG)
+    running = queue.try_admit()
+    tasks, admitted = await start_waiters(queue, [("a", blocks(1)), ("b", blocks(2))])
+    running.done()
+    await asyncio.gather(*tasks)
+    assert [name for name, _ in admitted] == ["a", "b"]
+
+
+async def test_each_tenant_is_planned_apart_and_plain_requests_keep_their_place():
+    calls: list = []
+    queue = HoldQueue(1, LONG, planner=reverse_planner(calls))
+    running = queue.try_admit()
+    tasks, admitted = await start_waiters(queue, [
+        ("x1", blocks(1), "x"), ("plain", ()), ("y1", blocks(2), "y"), ("x2", blocks(3), "x"), ("x3", blocks(4), "x"),
+    ])
+    running.done()
+    await asyncio.gather(*tasks)
+    # x's requests swap among x's positions (0, 3, 4); the plain one and y's lone request stay where they arrived
+    assert [name for name, _ in admitted] == ["x3", "plain", "y1", "x2", "x1"]
+    assert calls == [("x", 3)]  # a lone request of a tenant is not planned (prepare orders it)
+
+
+async def test_a_cancelled_waiter_leaves_the_queue_and_the_rest_are_still_released():
+    recorder = Recorder()
+    queue = HoldQueue(1, LONG, planner=reverse_planner([]), observer=recorder)
+    running = queue.try_admit()
+    tasks, admitted = await start_waiters(queue, [("a", blocks(1)), ("b", blocks(2)), ("c", blocks(3))])
+    tasks[1].cancel()
+    await asyncio.sleep(0)
+    assert queue.waiting == 2 and recorder.cancels == 1
+    running.done()
+    await asyncio.gather(tasks[0], tasks[2])
+    assert [name for name, _ in admitted] == ["c", "a"]
+    assert queue.admitted == 2 and recorder.releases == [("slot", "planner", 2)]
+
+
+async def test_the_only_waiter_cancelled_stops_the_timer():
+    recorder = Recorder()
+    queue = HoldQueue(1, 0.02, observer=recorder)
+    running = queue.try_admit()
+    tasks, _ = await start_waiters(queue, [("a", blocks(1))])
+    tasks[0].cancel()
+    await asyncio.sleep(0.05)
+    assert queue.waiting == 0 and recorder.releases == [] and queue.admitted == 1
+    running.done()
+    assert queue.admitted == 0
+
+
+async def test_a_waiter_cancelled_after_its_release_gives_its_slot_back():
+    queue = HoldQueue(1, LONG)
+    running = queue.try_admit()
+    tasks, admitted = await start_waiters(queue, [("a", blocks(1)), ("b", blocks(2))])
+    running.done()  # releases both: their futures hold admissions, their tasks have not resumed yet
+    assert queue.admitted == 2
+    tasks[0].cancel()
+    results = await asyncio.gather(*tasks, return_exceptions=True)
+    assert isinstance(results[0], asyncio.CancelledError)
+    assert [name for name, _ in admitted] == ["b"] and queue.admitted == 1
+
+
+async def test_held_requests_are_never_overtaken_and_the_bound_follows_the_healthy_replicas():
+    healthy = [1]
+    queue = HoldQueue(2, LONG, replicas=lambda: healthy[0])
+    running = [queue.try_admit(), queue.try_admit()]
+    assert queue.capacity() == 2 and queue.try_admit() is None
+    tasks, _ = await start_waiters(queue, [("a", blocks(1))])
+    healthy[0] = 3  # two replicas came back: free slots, but "a" waits first
+    assert queue.capacity() == 6 and queue.try_admit() is None
+    running[0].done()
+    await asyncio.gather(*tasks)
+    assert queue.try_admit() is not None
+    healthy[0] = 0  # every replica down: one replica's worth is still admitted (the call then fails fast)
+    assert queue.capacity() == 2
+
+
+def test_bad_bounds_are_rejected():
+    with pytest.raises(ValueError):
+        HoldQueue(0, 0.005)
+    with pytest.raises(ValueError):
+        HoldQueue(1, 0.0)
+
+
+async def test_with_the_facade_as_planner_the_window_s_shared_blocks_lead():
+    """The real planner: the first waiting request puts first the blocks the later ones hold."""
+    memory = AsyncCpMemory()
+    queue = HoldQueue(1, LONG, planner=lambda requests, tenant: memory.release_order(requests, tenant=tenant))
+    running = queue.try_admit()
+    window = [blocks(1, 2, 3), blocks(7, 8), blocks(4, 3, 2), blocks(9, 8, 7)]
+    tasks, admitted = await start_waiters(queue, [(str(i), request) for i, request in enumerate(window)])
+    running.done()
+    await asyncio.gather(*tasks)
+    assert [name for name, _ in admitted] == ["0", "1", "2", "3"]  # today's window planner keeps arrival order
+    turns = [await memory.prepare(f"c{name}", "q", window[int(name)]) for name, _ in admitted]
+    assert set(turns[0].prompt_order[:2]) == {"2", "3"} and turns[2].prompt_order[:2] == turns[0].prompt_order[:2]
+    assert turns[3].prompt_order[:2] == turns[1].prompt_order

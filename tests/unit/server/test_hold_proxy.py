@@ -1,0 +1,301 @@
+"""The hold-and-release queue end to end: the real proxy app (real facade, in-memory store) in front of a mock
+engine, with a bound of one request in flight. While the first request runs, the next ones are held; when it ends
+they are released together, prepared in the window planner's order and sent in that order, and every block reaches
+the engine."""
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import httpx
+import pytest
+
+from cpmemory.core.invariants import check_no_loss
+from cpmemory.facade import AsyncCpMemory
+from cpmemory.server.app import ServerConfig, create_app
+from cpmemory.testing.fleet import MockFleet
+
+TEXTS = {i: f"Document {i}: " + f"fact {i} about the topic. " * (6 + 5 * (i % 4)) for i in range(12)}
+FIRST = [0, 5]
+WINDOW = [[3, 4, 5], [9, 6], [4, 5, 8], [6, 9, 10], [11, 1]]  # held together; they share blocks
+
+
+def blocks(ids: list[int]) -> list[dict[str, str]]:
+    return [{"id": f"doc-{i}", "text": TEXTS[i]} for i in ids]
+
+
+def body(conversation: str, ids: list[int], stream: bool = False) -> dict[str, Any]:
+    return {"model": "tiny", "max_tokens": 8, "stream": stream,
+            "messages": [{"role": "user", "content": f"Question of {conversation}?"}],
+            "cpmemory": {"conversation_id": conversation, "blocks": blocks(ids)}}
+
+
+class GatedTransport:
+    """The fleet's transport, except that the first chat call waits for ``gate`` (a long-running request)."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.client = inner.client  # the proxy's budget probe (/v1/models) uses it, as with the real transport
+        self.gate = asyncio.Event()
+        self.entered = asyncio.Event()
+        self.calls = 0
+
+    async def _wait_first(self) -> None:
+        self.calls += 1
+        if self.calls == 1:
+            self.entered.set()
+            await self.gate.wait()
+
+    async def complete(self, url: str, payload: Any, headers: Any, timeout_s: float) -> Any:
+        await self._wait_first()
+        return await self.inner.complete(url, payload, headers, timeout_s)
+
+    async def open_stream(self, url: str, payload: Any, headers: Any, timeout_s: float) -> Any:
+        await self._wait_first()
+        return await self.inner.open_stream(url, payload, headers, timeout_s)
+
+    async def is_healthy(self, url: str) -> bool:
+        return await self.inner.is_healthy(url)
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+class ReversingMemory(AsyncCpMemory):
+    """A facade whose window planner runs the window backwards (today's planner keeps the arrival order, so this
+    shows the proxy follows whatever order the planner gives)."""
+
+    def release_order(self, requests, *, tenant="default"):
+        return list(reversed(super().release_order(requests, tenant=tenant)))
+
+
+class HeldProxy:
+    def __init__(self, memory: AsyncCpMemory, **config: Any) -> None:
+        self.fleet = MockFleet(1, block_size=16, capacity_blocks=4096)
+        self.transport = GatedTransport(self.fleet.chat_transport())
+        self.memory = memory
+        config.setdefault("hold_ms", 1000.0)  # the longest allowed: releases come from slots unless a test says so
+        self.app = create_app(ServerConfig(engines=self.fleet.urls, max_in_flight=1, **config), memory=memory,
+                              transport=self.transport)
+        self.client = httpx.AsyncClient(transport=httpx.ASGITransport(app=self.app), base_url="http://proxy",
+                                        timeout=30)
+
+    @property
+    def hold(self) -> Any:
+        return self.app.state.service.hold
+
+    def post(self, payload: dict[str, Any]) -> asyncio.Future[httpx.Response]:
+        return asyncio.ensure_future(self.client.post("/v1/chat/completions", json=payload))
+
+    async def until(self, condition: Any) -> None:
+        for _ in range(2000):
+            if condition():
+                return
+            await asyncio.sleep(0.001)
+        raise AssertionError("condition not reached")
+
+    def sent_conversations(self) -> list[str]:
+        """The conversation of each chat request that reached the engine, in arrival order (from its question)."""
+        return [call["messages"][-1]["content"].rsplit("Question of ", 1)[1].split("?")[0]
+                for _, call in self.fleet.calls]
+
+    async def metric(self, name: str) -> dict[str, float]:
+        text = (await self.client.get("/metrics")).text
+        return {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines()
+                if line.startswith(name)}
+
+    async def aclose(self) -> None:
+        await self.client.aclose()
+        await self.transport.aclose()
+
+
+@pytest.fixture
+async def held_proxy():
+    made: list[HeldProxy] = []
+
+    def factory(memory: AsyncCpMemory | None = None, **config: Any) -> HeldProxy:
+        proxy = HeldProxy(memory or AsyncCpMemory(), **config)
+        made.append(proxy)
+        return proxy
+
+    yield factory
+    for proxy in made:
+        await proxy.aclose()
+
+
+async def hold_window(proxy: HeldProxy, window: list[list[int]], stream: bool = False) -> list[Any]:
+    """Start the first request (it blocks at the engine), then the window's (held); return their futures."""
+    first = proxy.post(body("first", FIRST))
+    await asyncio.wait_for(proxy.transport.entered.wait(), 10)
+    held = []
+    for number, ids in enumerate(window):
+        held.append(proxy.post(body(f"w{number}", ids, stream=stream)))
+        await proxy.until(lambda count=number + 1: proxy.hold.waiting == count)
+    return [first, *held]
+
+
+def prompt_order(info: dict[str, Any]) -> list[str]:
+    shown = [d for d in info["decisions"] if d["prompt_position"] is not None]
+    return [d["block_id"] for d in sorted(shown, key=lambda d: d["prompt_position"])]
+
+
+async def reference_orders(window: list[list[int]], planned: bool) -> list[list[str]]:
+    """The block orders a fresh facade gives the window after the first request: planned together or one by one."""
+    memory = AsyncCpMemory()
+    await memory.prepare("first", "q", blocks(FIRST))
+    if planned:
+        memory.release_order([blocks(ids) for ids in window])
+    return [(await memory.prepare(f"w{number}", "q", blocks(ids))).prompt_order for number, ids in enumerate(window)]
+
+
+async def test_held_requests_are_planned_together_sent_in_order_and_none_is_lost(held_proxy):
+    proxy = held_proxy()
+    futures = await hold_window(proxy, WINDOW)
+    assert len(proxy.fleet.calls) == 0 and proxy.hold.admitted == 1
+    proxy.transport.gate.set()
+    responses = await asyncio.gather(*futures)
+    assert [response.status_code for response in responses] == [200] * len(responses)
+    # released when the first ended, in the planner's order (today's planner: arrival order)
+    assert proxy.sent_conversations() == ["first"] + [f"w{number}" for number in range(len(WINDOW))]
+    for (_, sent), ids in zip(proxy.fleet.calls, [FIRST, *WINDOW]):
+        assert check_no_loss(blocks(ids), sent["messages"]).ok
+    # each was prepared after its release, with the window planned together: the orders the planner gives the
+    # window, not the ones preparing them one by one at arrival would give
+    orders = [prompt_order(response.json()["cpmemory"]) for response in responses[1:]]
+    assert orders == await reference_orders(WINDOW, planned=True)
+    assert orders != await reference_orders(WINDOW, planned=False)
+    assert orders[2][:2] == orders[0][:2]  # the third starts with the first's prefix: the shared blocks lead
+    releases = await proxy.metric("cpmemory_hold_releases_total")
+    assert releases == {'cpmemory_hold_releases_total{order="planner",reason="slot"}': 1.0}
+    assert (await proxy.metric("cpmemory_hold_held_total")) == {"cpmemory_hold_held_total": len(WINDOW)}
+    assert proxy.hold.admitted == 0 and proxy.hold.waiting == 0
+
+
+async def test_the_proxy_sends_in_whatever_order_the_planner_gives(held_proxy):
+    proxy = held_proxy(ReversingMemory())
+    futures = await hold_window(proxy, WINDOW)
+    proxy.transport.gate.set()
+    responses = await asyncio.gather(*futures)
+    assert all(response.status_code == 200 for response in responses)
+    assert proxy.sent_conversations() == ["first"] + [f"w{number}" for number in reversed(range(len(WINDOW)))]
+    for (_, sent), ids in zip(proxy.fleet.calls[1:], list(reversed(WINDOW))):
+        assert check_no_loss(blocks(ids), sent["messages"]).ok
+
+
+async def test_streams_and_plain_requests_are_held_and_give_their_slot_back(held_proxy):
+    proxy = held_proxy()
+    futures = await hold_window(proxy, WINDOW[:2], stream=True)
+    plain = proxy.post({"model": "tiny", "messages": [{"role": "user", "content": "Question of plain?"}]})
+    await proxy.until(lambda: proxy.hold.waiting == 3)
+    proxy.transport.gate.set()
+    responses = await asyncio.gather(*futures, plain)
+    assert all(response.status_code == 200 for response in responses)
+    assert "data: [DONE]" in responses[1].text and "data: [DONE]" in responses[2].text
+    assert proxy.sent_conversations() == ["first", "w0", "w1", "plain"]
+    for (_, sent), ids in zip(proxy.fleet.calls[1:3], WINDOW[:2]):
+        assert check_no_loss(blocks(ids), sent["messages"]).ok
+    assert proxy.hold.admitted == 0
+    assert (await proxy.memory.state("w0")).turns == 1  # the stream's turn was committed at its end
+
+
+async def test_a_failed_engine_call_after_release_aborts_its_turn_and_frees_its_slot(held_proxy):
+    proxy = held_proxy()
+    futures = await hold_window(proxy, WINDOW[:3])
+    proxy.fleet.engine(0).fail_next(count=1, status=500)  # "first" reaches the engine first and fails
+    proxy.transport.gate.set()
+    responses = await asyncio.gather(*futures)
+    assert [response.status_code for response in responses] == [502, 200, 200, 200]
+    assert (await proxy.memory.state("first")).turns == 0  # aborted: nothing recorded
+    assert proxy.memory.counters.snapshot()["aborts"] >= 1
+    assert proxy.hold.admitted == 0
+    retry = await proxy.client.post("/v1/chat/completions", json=body("first", FIRST))
+    assert retry.status_code == 200 and retry.json()["cpmemory"]["turn"] == 1
+
+
+async def test_a_request_whose_hold_expires_is_released_without_a_slot(held_proxy):
+    proxy = held_proxy(hold_ms=20)
+    first = proxy.post(body("first", FIRST))
+    await asyncio.wait_for(proxy.transport.entered.wait(), 10)
+    late = await asyncio.wait_for(proxy.client.post("/v1/chat/completions", json=body("w0", WINDOW[0])), 10)
+    assert late.status_code == 200  # the first still runs: the hold expired and the request went anyway
+    assert proxy.sent_conversations() == ["w0"]
+    proxy.transport.gate.set()
+    assert (await first).status_code == 200
+    assert (await proxy.metric("cpmemory_hold_releases_total")) == {
+        'cpmemory_hold_releases_total{order="fcfs",reason="timeout"}': 1.0}
+    assert proxy.hold.admitted == 0
+
+
+async def raw_request(app: Any, payload: dict[str, Any], disconnect: asyncio.Event) -> list[dict[str, Any]]:
+    """One ASGI request whose client disconnects when ``disconnect`` is set; returns the messages sent back."""
+    data = json.dumps(payload).encode()
+    delivered = False
+
+    async def receive() -> dict[str, Any]:
+        nonlocal delivered
+        if not delivered:
+            delivered = True
+            return {"type": "http.request", "body": data, "more_body": False}
+        await disconnect.wait()
+        return {"type": "http.disconnect"}
+
+    sent: list[dict[str, Any]] = []
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
+             "path": "/v1/chat/completions", "raw_path": b"/v1/chat/completions", "query_string": b"",
+             "root_path": "", "headers": [(b"content-type", b"application/json"), (b"host", b"proxy")],
+             "client": ("127.0.0.1", 5000), "server": ("proxy", 80)}
+    await app(scope, receive, send)
+    return sent
+
+
+async def test_a_client_that_disconnects_while_held_leaves_the_queue_cleanly(held_proxy):
+    proxy = held_proxy()
+    futures = await hold_window(proxy, WINDOW[:1])
+    disconnect = asyncio.Event()
+    gone = asyncio.ensure_future(raw_request(proxy.app, body("gone", WINDOW[1]), disconnect))
+    await proxy.until(lambda: proxy.hold.waiting == 2)
+    disconnect.set()
+    sent = await asyncio.wait_for(gone, 10)
+    assert sent[0]["status"] == 499 and proxy.hold.waiting == 1
+    assert (await proxy.metric("cpmemory_hold_cancelled_total")) == {"cpmemory_hold_cancelled_total": 1.0}
+    proxy.transport.gate.set()
+    responses = await asyncio.gather(*futures)
+    assert all(response.status_code == 200 for response in responses)
+    assert proxy.sent_conversations() == ["first", "w0"]  # the gone request never reached the engine
+    assert (await proxy.memory.state("gone")).turns == 0 and proxy.memory.counters.snapshot()["prepares"] == 2
+    assert proxy.hold.admitted == 0 and proxy.hold.waiting == 0
+
+
+async def test_off_by_default_nothing_waits():
+    config = ServerConfig(engines=["http://engine-0"])
+    assert config.max_in_flight is None and config.hold_ms == 5.0
+    assert create_app(config).state.service.hold is None
+    with pytest.raises(ValueError):
+        ServerConfig(engines=["http://engine-0"], max_in_flight=0)
+    with pytest.raises(ValueError):
+        ServerConfig(engines=["http://engine-0"], max_in_flight=4, hold_ms=0)
+
+
+def test_serve_flags_reach_the_queue(monkeypatch):
+    import uvicorn
+    from typer.testing import CliRunner
+
+    from cpmemory.cli import app as cli
+
+    served: list[Any] = []
+    monkeypatch.setattr(uvicorn, "run", lambda app, **options: served.append(app))
+    runner = CliRunner()
+    result = runner.invoke(cli, ["serve", "--engine", "http://127.0.0.1:9", "--max-in-flight", "8", "--hold-ms", "3"])
+    assert result.exit_code == 0, result.output
+    hold = served[0].state.service.hold
+    assert hold.max_in_flight == 8 and hold.hold_s == pytest.approx(0.003)
+    assert runner.invoke(cli, ["serve", "--engine", "http://127.0.0.1:9"]).exit_code == 0
+    assert served[1].state.service.hold is None
+    for bad in (["--max-in-flight", "0"], ["--max-in-flight", "2", "--hold-ms", "0"]):
+        result = runner.invoke(cli, ["serve", "--engine", "http://127.0.0.1:9", *bad])
+        assert result.exit_code == 2 and len(served) == 2
