@@ -16,7 +16,7 @@ from cpmemory.errors import (
 from cpmemory.facade import AsyncCpMemory, CpMemory
 from cpmemory.session.config import CpMemoryConfig
 from cpmemory.session.turns import BlockDecision, PreparedTurn
-from cpmemory.types import BatchPlan, BlockStatus
+from cpmemory.types import BatchPlan, BlockStatus, Status
 
 __all__ = [
     "AsyncCpMemory",
@@ -33,6 +33,7 @@ __all__ = [
     "PreparedTurn",
     "ReservationError",
     "ReservationExpiredError",
+    "Status",
     "StoreUnavailableError",
     "UnknownReservationError",
     "__version__",

@@ -23,15 +23,15 @@ from typing import Any, Protocol
 
 from cpmemory.core.annotations import build_user_message, format_block
 from cpmemory.core.blocks import Block, content_hash, resolve_blocks
-from cpmemory.types import FULL_TEXT_STATUSES
+from cpmemory.types import FULL_TEXT_STATUSES, Status
 
-STATUS_PASSTHROUGH = "passthrough"
+STATUS_PASSTHROUGH = Status.PASSTHROUGH
 """Status of a result that did not go through cpmemory (no conversation id); it is sent in full."""
 
-STATUS_EMPTY = "empty"
+STATUS_EMPTY = Status.EMPTY
 """Status of a result with empty (or whitespace-only) text: kept in the results, nothing to send."""
 
-STATUS_DUPLICATE = "duplicate"
+STATUS_DUPLICATE = Status.DUPLICATE
 """Status of a result repeating an earlier one (same id, same text): its text reaches the prompt via the first."""
 
 DERIVED_ID_PREFIX = "hash:"

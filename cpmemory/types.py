@@ -1,6 +1,8 @@
 """Value types shared by every layer (below ``core``, ``stores`` and ``session``; imports only ``errors``).
 
-* ``BlockStatus`` / ``BLOCK_STATUSES``: what happened to a block in a turn (the one spelling of the statuses).
+* ``Status``: what happened to a block or a framework result in a turn (the one spelling of the statuses; a ``str``
+  enum, so JSON, metrics labels and comparisons with the plain strings are unchanged). ``BlockStatus`` /
+  ``BLOCK_STATUSES``: the five a de-duplication decision can take.
 * ``BatchPlan``: an offline plan for a batch of requests (the planner's and the facade's result).
 * The session store's values: ``ConversationKey``, ``SeenBlock``, ``ReserveRequest``, ``Reservation``,
   ``TurnRecord``, ``ConversationState`` and ``Message`` (the protocol itself is ``cpmemory.stores.base``).
@@ -9,17 +11,47 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal, get_args
+from enum import Enum
+from typing import Any, Literal
 
 from cpmemory.errors import InvalidIdentifierError
 
-BlockStatus = Literal["new", "referenced", "changed", "partial", "resent"]
+
+class Status(str, Enum):
+    """What happened to one block (or one framework result) in a turn. Members are their wire strings:
+    ``Status.NEW == "new"``, ``str(Status.NEW) == "new"``, and JSON writes ``"new"``."""
+
+    NEW = "new"
+    """Not seen in this conversation before: written in full under its header."""
+    REFERENCED = "referenced"
+    """Same content as a block the conversation (or this request) already holds: named by its label only."""
+    CHANGED = "changed"
+    """An id seen before with another text: written in full."""
+    PARTIAL = "partial"
+    """Enough of its segments are held earlier: only the new segments are written, the rest named by label."""
+    RESENT = "resent"
+    """Seen before but no longer in the prompt's history (history window): written in full again."""
+    PASSTHROUGH = "passthrough"
+    """An adapter result that did not go through cpmemory (no conversation id): sent in full, original order."""
+    EMPTY = "empty"
+    """An adapter result with empty (or whitespace-only) text: kept in the results, nothing to send."""
+    DUPLICATE = "duplicate"
+    """An adapter result repeating an earlier one (same id, same text): its text reaches the prompt via the first."""
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, format_spec: str) -> str:  # f"{Status.NEW}" == "new" on every Python version
+        return self.value.__format__(format_spec)
+
+
+BlockStatus = Literal[Status.NEW, Status.REFERENCED, Status.CHANGED, Status.PARTIAL, Status.RESENT]
 """What de-duplication did with one block (see ``cpmemory.core.dedup`` for the rules)."""
 
-BLOCK_STATUSES: tuple[BlockStatus, ...] = get_args(BlockStatus)
+BLOCK_STATUSES: tuple[BlockStatus, ...] = (Status.NEW, Status.REFERENCED, Status.CHANGED, Status.PARTIAL, Status.RESENT)
 """Every ``BlockStatus``, in rule order."""
 
-FULL_TEXT_STATUSES: frozenset[str] = frozenset({"new", "changed", "resent"})
+FULL_TEXT_STATUSES: frozenset[Status] = frozenset({Status.NEW, Status.CHANGED, Status.RESENT})
 """Statuses whose block is written in full under its header."""
 
 MAX_IDENTIFIER_CHARS = 1024

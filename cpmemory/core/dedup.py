@@ -33,8 +33,7 @@ from typing import Protocol
 
 from cpmemory.core import annotations
 from cpmemory.core.blocks import LABEL_HEX_DIGITS, Block, label_for_hash
-from cpmemory.types import FULL_TEXT_STATUSES
-from cpmemory.types import BlockStatus as Status
+from cpmemory.types import FULL_TEXT_STATUSES, BlockStatus, Status
 
 DEFAULT_PARTIAL_THRESHOLD = 0.5
 MIN_SEGMENT_CHARS = 24
@@ -82,7 +81,7 @@ class DedupDecision:
         label: for "referenced" (not in-request duplicates): the label the history shows the block's text under.
     """
 
-    status: Status
+    status: BlockStatus
     duplicate_of: int | None = None
     new_segments: tuple[str, ...] = ()
     holder_labels: tuple[str, ...] = ()
@@ -95,9 +94,9 @@ class DedupDecision:
         return self.status in FULL_TEXT_STATUSES
 
 
-_NEW = DedupDecision("new")
-_CHANGED = DedupDecision("changed")
-_RESENT = DedupDecision("resent")
+_NEW = DedupDecision(Status.NEW)
+_CHANGED = DedupDecision(Status.CHANGED)
+_RESENT = DedupDecision(Status.RESENT)
 
 
 COLLISION_LABEL_DIGITS = 12
@@ -313,7 +312,7 @@ def partial_overlap(text: str, segments: SegmentIndex, threshold: float) -> Dedu
     if present == 0 or present < threshold * total:
         return None
     return DedupDecision(
-        "partial", new_segments=tuple(new_segments), holder_labels=tuple(holders), saved_chars=present
+        Status.PARTIAL, new_segments=tuple(new_segments), holder_labels=tuple(holders), saved_chars=present
     )
 
 
@@ -353,7 +352,7 @@ def decide(
         digest = digests[index]
         earlier = first_index.setdefault(digest, index)
         if earlier != index:
-            append(DedupDecision("referenced", earlier, (), (), len(block.text)))
+            append(DedupDecision(Status.REFERENCED, earlier, (), (), len(block.text)))
             continue
         old = previous.get(block.id) if previous else None
         if old is not None and old != digest:
@@ -363,7 +362,7 @@ def decide(
             _seen_label(committed, digest) if committed is not None else history.present_label(block, digest)
         )
         if present is not None:
-            append(DedupDecision("referenced", None, (), (), len(block.text), present))
+            append(DedupDecision(Status.REFERENCED, None, (), (), len(block.text), present))
         elif digest in seen_hashes:
             append(_RESENT)
         elif use_segments and block.text:

@@ -10,7 +10,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, field_validator
 
-from cpmemory.types import MAX_IDENTIFIER_CHARS
+from cpmemory.types import MAX_IDENTIFIER_CHARS, Status
 
 MAX_BLOCKS = 2000
 MAX_TEXT_CHARS = 4_000_000
@@ -122,7 +122,7 @@ class BlockDecisionOut(BaseModel):
 
     block_id: str
     label: str
-    status: str
+    status: Status
     original_rank: int
     prompt_position: int | None
     saved_chars: int = 0

@@ -31,7 +31,7 @@ from cpmemory.session.turns import (
     plan_turn,
 )
 from cpmemory.session.window import SentHistory, restart_start, sent_history, turn_offsets
-from cpmemory.types import Message, Reservation
+from cpmemory.types import Message, Reservation, Status
 
 GIVEN_HISTORY_CHUNKS = 8
 """A caller-given history is cut only where a message starts a new 1/8 of the budget (stable cut points)."""
@@ -39,7 +39,7 @@ GIVEN_HISTORY_CHUNKS = 8
 
 def turn_alone_messages(turn_input: TurnInput, config: CpMemoryConfig) -> list[dict[str, str]]:
     """The largest prompt the new turn can need with no history: every block in full, order annotated. Pure."""
-    decisions = [DedupDecision("new") for _ in turn_input.blocks]
+    decisions = [DedupDecision(Status.NEW) for _ in turn_input.blocks]
     context = LabelContext(digits=config.label_digits, longer=config.collision_label_digits)
     labels = assign_labels(turn_input.blocks, turn_input.digests, decisions, context)
     sections = [

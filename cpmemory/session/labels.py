@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from cpmemory.core.blocks import Block, label_for_hash
 from cpmemory.core.dedup import DedupDecision, SegmentIndex, label_candidates, label_holds_only
-from cpmemory.types import Message, SeenBlock
+from cpmemory.types import Message, SeenBlock, Status
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,7 +52,7 @@ def assign_labels(
     labels = [""] * len(blocks)
     owner: dict[str, str] = {}  # label -> content hash, for this prompt
     for i, decision in enumerate(decisions):
-        if decision.status == "referenced" and decision.duplicate_of is None:
+        if decision.status == Status.REFERENCED and decision.duplicate_of is None:
             labels[i] = decision.label or label_for_hash(digests[i], context.digits)
             owner.setdefault(labels[i], digests[i])
     history_text = _lazy_text(context.messages)

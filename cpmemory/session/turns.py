@@ -20,7 +20,6 @@ from cpmemory.core.dedup import (
     GivenHistory,
     HistoryView,
     SegmentIndex,
-    Status,
     decide,
     label_holds_only,
     partial_overlap,
@@ -35,11 +34,13 @@ from cpmemory.session.turn_input import (
 from cpmemory.session.window import SentHistory, sent_history, turn_offsets, window_start  # noqa: F401 - re-exported
 from cpmemory.types import (
     FULL_TEXT_STATUSES,
+    BlockStatus,
     ConversationKey,
     Message,
     Reservation,
     ReserveRequest,
     SeenBlock,
+    Status,
     TurnRecord,
 )
 
@@ -66,7 +67,7 @@ class BlockDecision:
 
     block_id: str
     label: str
-    status: Status
+    status: BlockStatus
     original_rank: int
     prompt_position: int | None
     content_hash: str = ""
@@ -185,14 +186,14 @@ def decide_blocks(
         config.partial_overlap
         and history
         and segments is not None
-        and any(d.status == "new" and b.text for d, b in zip(decisions, turn_input.blocks))
+        and any(d.status == Status.NEW and b.text for d, b in zip(decisions, turn_input.blocks))
     )
     if wants_partial:
         assert segments is not None
         if len(segments):
             threshold = config.partial_overlap_threshold
             for i, (decision, block) in enumerate(zip(decisions, turn_input.blocks)):
-                if decision.status == "new" and block.text:
+                if decision.status == Status.NEW and block.text:
                     decisions[i] = partial_overlap(block.text, segments, threshold) or decision
     return decisions
 
@@ -208,18 +209,18 @@ def _unique_references(
     """
     text = ""
     for i, decision in enumerate(decisions):
-        if decision.status != "referenced" or decision.duplicate_of is not None:
+        if decision.status != Status.REFERENCED or decision.duplicate_of is not None:
             continue
         if not segments.header_repeated(decision.label):
             continue
         text = text or "\n\n".join(message["content"] for message in history)
         if not label_holds_only(text, decision.label, blocks[i].text):
-            decisions[i] = DedupDecision("resent")
+            decisions[i] = DedupDecision(Status.RESENT)
 
 
 def shown_indices(decisions: Sequence[DedupDecision]) -> list[int]:
     """Indices of the blocks written in the prompt (in full or in part), in relevance order."""
-    return [i for i, decision in enumerate(decisions) if decision.in_full or decision.status == "partial"]
+    return [i for i, decision in enumerate(decisions) if decision.in_full or decision.status == Status.PARTIAL]
 
 
 def arrange(turn_input: TurnInput, shown: Sequence[int], prefix: Sequence[Hashable]) -> list[int]:
@@ -257,7 +258,7 @@ def render_user_message(
     for position, i in enumerate(order):
         decision = decisions[i]
         positions[i] = position
-        if decision.status == "partial":
+        if decision.status == Status.PARTIAL:
             sections.append(
                 annotations.format_partial(labels[i], decision.new_segments, decision.holder_labels)
             )
@@ -265,7 +266,7 @@ def render_user_message(
             sections.append(annotations.format_block(labels[i], blocks[i].text))
     references: list[str] = []
     for i, decision in enumerate(decisions):
-        if decision.status == "referenced" and decision.duplicate_of is None:
+        if decision.status == Status.REFERENCED and decision.duplicate_of is None:
             positions[i] = len(order) + len(references)
             references.append(labels[i])
     for i, decision in enumerate(decisions):
@@ -385,7 +386,7 @@ def _block_decisions(
     for rank, index in enumerate(items):
         block, digest, decision = turn_input.blocks[index], turn_input.digests[index], decisions[index]
         if index in first:
-            decision = DedupDecision("referenced", index, saved_chars=len(block.text))
+            decision = DedupDecision(Status.REFERENCED, index, saved_chars=len(block.text))
             duplicate_of: int | None = first[index]
         else:
             first[index] = rank
@@ -402,7 +403,7 @@ def _block_decisions(
 
 def degraded_turn(turn_input: TurnInput, config: CpMemoryConfig) -> PreparedTurn:
     """Pass-through when the store failed: relevance order, every block in full, nothing reserved or indexed."""
-    decisions = [DedupDecision("new") for _ in turn_input.blocks]
+    decisions = [DedupDecision(Status.NEW) for _ in turn_input.blocks]
     order = list(range(len(turn_input.blocks)))
     context = LabelContext(digits=config.label_digits, longer=config.collision_label_digits)
     labels = assign_labels(turn_input.blocks, turn_input.digests, decisions, context)
@@ -456,10 +457,10 @@ def turn_counts(turn: PreparedTurn, chars_per_token: float) -> dict[str, int]:
     return {
         "prepares": 1,
         "blocks": len(statuses),
-        "blocks_referenced": statuses.count("referenced"),
-        "blocks_partial": statuses.count("partial"),
-        "blocks_changed": statuses.count("changed"),
-        "blocks_resent": statuses.count("resent"),
+        "blocks_referenced": statuses.count(Status.REFERENCED),
+        "blocks_partial": statuses.count(Status.PARTIAL),
+        "blocks_changed": statuses.count(Status.CHANGED),
+        "blocks_resent": statuses.count(Status.RESENT),
         "order_annotations": int(turn.order_annotated),
         "dedup_chars_saved": turn.saved_chars,
         "dedup_tokens_saved": int(turn.saved_chars / chars_per_token),
