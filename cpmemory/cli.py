@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import typer
 
-from cpmemory.bench import conversation, core_bench, demo, load, plan_bench, replay, serve, store_bench
+from cpmemory.bench import conversation, core_bench, demo, hold_bench, load, plan_bench, replay, serve, store_bench
 from cpmemory.server import command as serve_command
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Context reuse for long-context LLM agents.")
@@ -27,6 +27,9 @@ bench_app.command("plan", help="plan_batch time and memory on a large seeded bat
 bench_app.command("replay", help="Replay a trace or a real workload through every strategy.")(replay.command)
 bench_app.command("load", help="Concurrent conversations through the proxy: overhead, errors, lost blocks.")(
     load.command
+)
+bench_app.command("hold", help="The proxy's hold-and-release queue on and off: cached share, same run.")(
+    hold_bench.command
 )
 bench_app.command("serve", help="Replay a trace through the proxy on real engines: TTFT, throughput, errors, lost.")(
     serve.command
