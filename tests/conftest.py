@@ -16,20 +16,28 @@ from cpmemory.errors import StoreUnavailableError
 from cpmemory.testing.local_redis import LocalRedisCluster, redis_binaries_available
 from tests.redis_env import RUN_PREFIX, redis_url
 
-UNIT = Path(__file__).resolve().parent / "unit"
+TESTS = Path(__file__).resolve().parent
+UNIT = TESTS / "unit"
+KINDS = ("unit", "contract", "integration", "e2e")  # tests/README.md
 # What a unit test must not need; a test that does belongs in tests/contract, tests/integration or tests/e2e.
 NOT_UNIT_MARKERS = ("slow", "redis", "cluster", "vllm")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """tests/unit holds no test marked as needing a server, a real engine or a long run (``make check`` runs it all)."""
-    misplaced = [
-        f"{item.nodeid} ({', '.join(m for m in NOT_UNIT_MARKERS if item.get_closest_marker(m))})"
-        for item in items
-        if Path(str(item.path)).is_relative_to(UNIT) and any(item.get_closest_marker(m) for m in NOT_UNIT_MARKERS)
-    ]
+    """Every test under tests/ lives in one of the kind folders, and tests/unit holds no test marked as needing a
+    server, a real engine or a long run (``make check`` runs all of tests/unit)."""
+    misplaced = []
+    for item in items:
+        path = Path(str(item.path)).resolve()
+        if not path.is_relative_to(TESTS):
+            continue  # the adapters' own suites (integrations/*/tests)
+        if path.relative_to(TESTS).parts[0] not in KINDS:
+            misplaced.append(f"{item.nodeid} (not under tests/{{{','.join(KINDS)}}})")
+        elif path.is_relative_to(UNIT) and any(item.get_closest_marker(m) for m in NOT_UNIT_MARKERS):
+            marks = ", ".join(m for m in NOT_UNIT_MARKERS if item.get_closest_marker(m))
+            misplaced.append(f"{item.nodeid} (marked {marks}: not a unit test)")
     if misplaced:
-        raise pytest.UsageError("marked tests under tests/unit (move them out):\n  " + "\n  ".join(misplaced))
+        raise pytest.UsageError("tests outside the layout of tests/README.md:\n  " + "\n  ".join(misplaced))
 
 
 @pytest.fixture(scope="session")
