@@ -33,13 +33,16 @@ def colliding_pairs(count: int = 3) -> tuple[tuple[str, str], ...]:
     return tuple(pairs)
 
 
+SHARED_SENTENCE = "This sentence is shared by several documents of the corpus."
+SHARED_SENTENCE_FIRST = f"{SHARED_SENTENCE} The first one ends here."
+
+
 def _texts() -> list[str]:
-    shared = "This sentence is shared by several documents of the corpus."
     base = [
         "The harbor opens at nine.",
         "The museum closes at five.",
-        f"{shared} The first one ends here.",
-        f"{shared} The second one ends elsewhere.",
+        SHARED_SENTENCE_FIRST,
+        f"{SHARED_SENTENCE} The second one ends elsewhere.",
         "Line one of a note.\nLine two of the same note.\n\nA paragraph after a blank line.",
         "A document whose last line looks like the annotation.\nRelevance order: D0000000 Dfffffff",
         "Something.\n\nQuestion: is this the question?",

@@ -151,10 +151,20 @@ def dicts_to_messages(messages: Sequence[Mapping[str, Any]]) -> list[BaseMessage
 
 
 def same_documents(assignment: BlockAssignment, turn: PreparedTurnLike) -> bool:
-    """True when the blocks of ``assignment`` are exactly the blocks ``turn`` was prepared with (ids and texts, in
-    any order): then the turn's prompt is the prompt of these documents. Pure; O(n log n)."""
-    given = sorted((block.id, block.content_hash) for block in assignment.blocks)
-    prepared = sorted((d.block_id, getattr(d, "content_hash", "")) for d in turn.decisions)
+    """True when the blocks of ``assignment`` are exactly the blocks ``turn`` was prepared with, ids and texts in the
+    same relevance order: then the turn's prompt (its order annotation included) is the prompt of these documents.
+
+    ``assignment`` is made from the documents put back in relevance order (:func:`relevance_order`), so the order
+    the documents are *given* in does not matter; their relevance order does. The same set of blocks in another
+    relevance order is not the same prompt: e.g. a filter dropped the first of two documents repeating an id and a
+    text, so the text now ranks where its repeat did (the turn's prompt would show it in the old place with no order
+    annotation). Pure; O(n log n).
+    """
+    given = [(block.id, block.content_hash) for block in assignment.blocks]
+    prepared = [
+        (d.block_id, getattr(d, "content_hash", ""))
+        for d in sorted(turn.decisions, key=lambda decision: decision.original_rank)
+    ]
     return given == prepared
 
 

@@ -11,8 +11,9 @@
 Which prompt is built:
 
 1. The documents a :class:`~langchain_cpmemory.retriever.CpMemoryRetriever` sharing this runnable's pending
-   turns returned (same ids and texts, in any order), with no ``history`` given: the turn the retriever prepared
-   is used as is (no second prepare). Documents changed or dropped in between (a compressor, a filter) are case 2.
+   turns returned (same ids and texts in the same relevance order, given in any order), with no ``history`` given:
+   the turn the retriever prepared is used as is (no second prepare). Documents changed, dropped or re-ranked in
+   between (a compressor, a filter) are case 2.
 2. Otherwise, with a conversation id in the config: the documents (put back in their relevance order) are
    prepared here, with ``history`` (LangChain messages) when given -- references then point only at text in it --
    or the conversation's stored transcript when not. A turn the retriever prepared for the conversation is aborted.
@@ -95,8 +96,9 @@ class CpMemoryPromptRunnable(TurnKeeper, Runnable[Mapping[str, Any], list[BaseMe
         self.max_prompt_tokens = max_prompt_tokens
 
     def _reusable(self, parsed: PromptInput, conversation: str | None) -> Any | None:
-        """The retriever's pending turn when ``parsed`` carries exactly its documents (same ids and texts, in any
-        order) and no history; documents a compressor or filter changed get a prompt of their own."""
+        """The retriever's pending turn when ``parsed`` carries exactly its blocks (same ids and texts in the same
+        relevance order, see :func:`~langchain_cpmemory.documents.same_documents`; the documents themselves may come
+        in any order) and no history; documents a compressor or filter changed get a prompt of their own."""
         if conversation is None or parsed.history is not None:
             return None
         turn = self.pending.get(conversation)
@@ -126,11 +128,14 @@ class CpMemoryPromptRunnable(TurnKeeper, Runnable[Mapping[str, Any], list[BaseMe
         return (conversation, parsed.question, list(assignment.blocks)), options, assignment
 
     def _note_sent(self, conversation: str, parsed: PromptInput, turn: Any, assignment: Any | None) -> None:
-        """Remember which documents the conversation's prompt was built from, annotated with what was sent."""
-        if assignment is None:  # the retriever's turn, reused: its annotations describe this prompt
-            documents = list(parsed.documents)
-        else:
-            documents = annotate_prepared(relevance_order(parsed.documents), assignment, turn)
+        """Remember which documents the conversation's prompt was built from, in prompt order, annotated with what
+        was sent. A reused turn (``assignment`` None) has the same blocks in the same order as these documents, so
+        their annotations come from it too (a document the retriever marked a duplicate of one dropped since is then
+        the one sent)."""
+        ordered = relevance_order(parsed.documents)
+        if assignment is None:
+            assignment = documents_to_blocks(ordered, self.id_key)
+        documents = annotate_prepared(ordered, assignment, turn)
         with self._sent_lock:
             self._sent.pop(conversation, None)
             self._sent[conversation] = documents

@@ -10,17 +10,22 @@ import pytest
 pytest.importorskip("langchain_core")
 pytest.importorskip("mem0")
 
+from langchain_core.callbacks import CallbackManagerForRetrieverRun
 from langchain_core.documents import Document
 from langchain_core.messages import AIMessage, HumanMessage, ToolMessage, convert_to_openai_messages
+from langchain_core.retrievers import BaseRetriever
+from pydantic import Field
 
 from cpmemory.core.invariants import check_no_loss
 from cpmemory.errors import InvalidInputError, StoreUnavailableError, UnknownReservationError
 from cpmemory.facade import CpMemory
 from cpmemory.stores.base import ConversationKey
 from cpmemory.stores.memory import InMemorySessionStore
-from langchain_cpmemory import CpMemoryPromptRunnable
+from langchain_cpmemory import CpMemoryPromptRunnable, CpMemoryRetriever, relevance_order
+from langchain_cpmemory.documents import documents_to_blocks, same_documents
 from mem0_cpmemory import CpMemoryMem0
 from tests.integration.adapters.test_langchain_adapter import _retriever, _thread
+from tests.no_loss_cases import SHARED_SENTENCE_FIRST
 
 
 class CannedMem0:
@@ -98,6 +103,89 @@ def test_item3_the_same_documents_in_any_order_reuse_the_retrievers_turn() -> No
     messages = retriever.prompt().invoke({"documents": list(reversed(docs)), "question": "Paris"}, config)
     assert retriever.pending.get("t3b") is turn
     assert messages[-1].content == turn.messages[-1]["content"]
+
+
+class ListRetriever(BaseRetriever):
+    """Returns the documents it holds, whatever the query."""
+
+    documents: list[Document] = Field(default_factory=list)
+
+    def _get_relevant_documents(self, query: str, *, run_manager: CallbackManagerForRetrieverRun) -> list[Document]:
+        return list(self.documents)
+
+
+HARBOR = "The harbor opens at nine."
+REPEATED = [("a", SHARED_SENTENCE_FIRST), ("b", HARBOR), ("a", SHARED_SENTENCE_FIRST)]
+"""A text under id ``a`` twice (the property suite's example): dropping the first makes it rank after ``b``."""
+
+
+def _documents(pairs: list[tuple[str, str]]) -> list[Document]:
+    return [Document(page_content=text, metadata={"id": key}) for key, text in pairs]
+
+
+def test_same_documents_needs_the_same_relevance_order() -> None:
+    retriever = CpMemoryRetriever(retriever=ListRetriever(documents=_documents(REPEATED)), memory=CpMemory())
+    returned = retriever.invoke("q", _thread("rank"))
+    turn = retriever.pending.get("rank")
+    same = documents_to_blocks(relevance_order(list(reversed(returned))))
+    assert same_documents(same, turn)  # the documents in any order: the same blocks in the same relevance order
+    first_dropped = [d for d in returned if d.metadata["cpmemory"]["original_rank"] != 0]
+    moved = documents_to_blocks(relevance_order(first_dropped))
+    assert sorted(b.id for b in moved.blocks) == sorted(d.block_id for d in turn.decisions)  # the same set ...
+    assert not same_documents(moved, turn)  # ... in another relevance order: another prompt
+
+
+def test_item3_dropping_the_first_of_a_repeated_document_keeps_the_relevance_order() -> None:
+    retriever = CpMemoryRetriever(retriever=ListRetriever(documents=_documents(REPEATED)), memory=CpMemory())
+    config = _thread("drop")
+    returned = retriever.invoke("q", config)
+    retrievers_turn = retriever.pending.get("drop")
+    given = [d for d in returned if d.metadata["cpmemory"]["original_rank"] != 0]
+    prompt = retriever.prompt()
+    sent = convert_to_openai_messages(prompt.invoke({"documents": given, "question": "q"}, config))
+    assert retriever.pending.get("drop") is not retrievers_turn  # prepared for these documents
+    blocks = [("b", HARBOR), ("a", SHARED_SENTENCE_FIRST)]
+    report = check_no_loss(blocks, sent, query="q")
+    assert report.ok, report.violations
+    text = sent[-1]["content"]
+    assert text.index(HARBOR) < text.index(SHARED_SENTENCE_FIRST) or "Relevance order:" in text
+    assert [d.page_content for d in relevance_order(prompt.sent_documents(config))] == [HARBOR, SHARED_SENTENCE_FIRST]
+    assert retriever.commit("answer", config) == 1
+
+
+def test_item3_a_reused_turn_reports_the_repeat_of_a_dropped_document_as_sent() -> None:
+    pairs = [("a", SHARED_SENTENCE_FIRST), ("a", SHARED_SENTENCE_FIRST), ("b", HARBOR)]
+    retriever = CpMemoryRetriever(retriever=ListRetriever(documents=_documents(pairs)), memory=CpMemory())
+    config = _thread("reuse")
+    returned = retriever.invoke("q", config)
+    turn = retriever.pending.get("reuse")
+    given = [d for d in returned if d.metadata["cpmemory"]["original_rank"] != 0]  # the repeat stays, same ranking
+    prompt = retriever.prompt()
+    sent = convert_to_openai_messages(prompt.invoke({"documents": list(reversed(given)), "question": "q"}, config))
+    assert retriever.pending.get("reuse") is turn
+    assert check_no_loss([("a", SHARED_SENTENCE_FIRST), ("b", HARBOR)], sent, query="q").ok
+    reported = prompt.sent_documents(config)  # in prompt order, each as sent in this prompt
+    assert [d.page_content for d in reported] == [SHARED_SENTENCE_FIRST, HARBOR]
+    assert [d.metadata["cpmemory"]["prompt_position"] for d in reported] == [0, 1]
+    assert {d.metadata["cpmemory"]["status"] for d in reported} == {"new"}
+
+
+def test_the_repeated_document_case_through_the_facade_and_mem0() -> None:
+    """The same input without a prompt built from edited documents: every path was already right."""
+    memory = CpMemory()
+    for number, blocks in enumerate([REPEATED, REPEATED[1:]]):
+        turn = memory.prepare("f", "q", blocks)
+        report = check_no_loss(blocks, turn.messages, query="q")
+        assert report.ok, (number, report.violations)
+        memory.commit(turn, f"answer {number}")
+    mem0 = CannedMem0({"results": []})
+    wrapper = CpMemoryMem0(mem0, CpMemory())
+    for number, blocks in enumerate([REPEATED, REPEATED[1:]]):
+        mem0.payload = {"results": [{"id": key, "memory": text} for key, text in blocks]}
+        wrapper.search("q", conversation_id="m")
+        report = check_no_loss(blocks, wrapper.chat_messages("m"), query="q")
+        assert report.ok, (number, report.violations)
+        wrapper.commit(f"answer {number}", conversation_id="m")
 
 
 def test_item4_langchain_history_keeps_tool_calls_and_tool_messages() -> None:
