@@ -281,16 +281,19 @@ class OnlineReport:
 
 def run_online_strategy(name: str, trace: Trace, prepared: Sequence[PreparedRequest], system_prompt: str,
                         simulator: Any, window: int, progress: Any = None,
-                        workers: tuple[str, int, str] | None = None) -> StrategyResult:
+                        workers: tuple[str, int, str] | None = None,
+                        strategy: OnlineStrategy | None = None) -> StrategyResult:
     """Replay ``trace`` through one online strategy on ``simulator`` (fresh, mutated).
 
     Args:
         workers: (Redis URL, K, key prefix): the product runs as K facades on that Redis (None: one in memory).
+        strategy: an already built strategy to run under ``name`` (``scripts/online_ceiling.py``); default the
+            registered one.
     """
     from cpmemory.core.invariants import check_no_loss
 
-    context = _Context(trace, prepared, system_prompt, simulator, workers)
-    strategy = ONLINE_FACTORIES[name](context)
+    if strategy is None:
+        strategy = ONLINE_FACTORIES[name](_Context(trace, prepared, system_prompt, simulator, workers))
     result = StrategyResult(name)
     windows = Windows(trace, window)
     for waiting in windows:

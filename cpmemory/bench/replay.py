@@ -198,7 +198,7 @@ class ReplaySettings:
     system_prompt: str | None = None
 
 
-def _system_prompt(settings: ReplaySettings) -> str:
+def system_prompt_for(settings: ReplaySettings) -> str:
     if settings.system_prompt is not None:
         return settings.system_prompt
     from cpmemory.session.config import DEFAULT_SYSTEM_PROMPT
@@ -284,7 +284,7 @@ def run_strategy(name: str, plan: StrategyPlan, trace: Trace, prepared: Sequence
     from cpmemory.bench.simulator import PrefixCacheSimulator
     from cpmemory.core.invariants import check_no_loss
 
-    system_prompt = _system_prompt(settings)
+    system_prompt = system_prompt_for(settings)
     builder_type = FacadePromptBuilder if name == "cpmemory" else PlainPromptBuilder
     builder = builder_type(system_prompt, trace.multi_turn)
     order = plan.order
@@ -335,7 +335,7 @@ def run_replay(trace: Trace, settings: ReplaySettings = ReplaySettings(),
     if unknown:
         raise InvalidInputError(f"unknown strategies {sorted(unknown)}; choose from {', '.join(STRATEGIES)}")
     prepared = prepare_requests(trace)
-    contents, _prompts = original_contents(trace, prepared, _system_prompt(settings))
+    contents, _prompts = original_contents(trace, prepared, system_prompt_for(settings))
     unique = unique_tokens(contents)
     capacity = resolve_capacity(settings.capacity, unique)
     batch = _plan_input(trace, prepared)
@@ -354,7 +354,7 @@ def run_replay(trace: Trace, settings: ReplaySettings = ReplaySettings(),
     if online_window is not None:
         from cpmemory.bench.online import run_online
 
-        online = run_online(trace, prepared, _system_prompt(settings), capacity, settings.mode, settings.page_size,
+        online = run_online(trace, prepared, system_prompt_for(settings), capacity, settings.mode, settings.page_size,
                             online_window, results, progress=progress, workers=online_workers,
                             redis_url=redis_url, fleet=fleet)
     return ReplayReport(

@@ -6,7 +6,8 @@ prefix decide as one, and a restarted process resumes. The calls ride in the sam
 ``reserve`` pipelines the ``order`` call (observe + order), ``commit`` pipelines the ``record`` call (the order
 sent and its request id), so a request costs 2 round trips in all. Bounded per tenant: ``max_requests`` recorded
 orders (the oldest forgotten first; about 15 trie nodes and one path string each), ``max_blocks`` counted blocks
-(beyond, the counts restart), and the conversation TTL on every key. Sans-IO: this module builds calls and decodes
+(beyond, the counts and postings restart; a posting keeps the last ``posting_length`` requests of a block), and the
+conversation TTL on every key. Sans-IO: this module builds calls and decodes
 replies.
 """
 
@@ -27,8 +28,9 @@ class DecisionLimits:
     max_requests: int = 100_000
     max_blocks: int = 200_000
     ttl_ms: int = 0
-    match_budget: int = 16  # = cpmemory.core.online.MATCH_BUDGET (a test keeps them equal)
+    match_budget: int = 64  # = cpmemory.core.online.MATCH_BUDGET (a test keeps them equal)
     recency_scale: float = 50.0  # = cpmemory.core.online.RECENCY_SCALE
+    posting_length: int = 16  # = cpmemory.core.online.POSTING_LENGTH
 
 
 class DecisionCodec:
@@ -43,7 +45,7 @@ class DecisionCodec:
     def _head(self, mode: str, request_id: str) -> tuple[object, ...]:
         limits = self.limits
         return (mode, limits.ttl_ms, limits.max_requests, limits.max_blocks, request_id, limits.match_budget,
-                repr(limits.recency_scale))
+                repr(limits.recency_scale), limits.posting_length)
 
     def order_call(self, tenant: str, hashes: Sequence[str], sizes: Sequence[float], request_id: str = "",
                    record: bool = False) -> tuple[str, tuple[str, ...], tuple[object, ...]]:

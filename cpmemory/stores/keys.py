@@ -31,7 +31,7 @@ from cpmemory.types import ConversationKey
 
 DEFAULT_PREFIX = "cpm"
 FIELDS: tuple[str, ...] = ("state", "log", "paths", "res", "done")
-DECISION_FIELDS: tuple[str, ...] = ("cnt", "last", "freq", "first", "reqs", "fifo")
+DECISION_FIELDS: tuple[str, ...] = ("cnt", "post", "freq", "first", "reqs", "fifo")
 _PREFIX_PATTERN = re.compile(r"[A-Za-z0-9_.:\-]{1,64}")
 _HASH_BYTES = 16
 
@@ -96,7 +96,7 @@ class KeyScheme:
 
     def decision_keys(self, tenant: str) -> tuple[str, ...]:
         """The keys of one tenant's shared decision state (``decide.lua``'s ``KEYS``), one hash tag per tenant:
-        ``P:{T}:ord:cnt|last|freq|first|reqs|fifo``. Pure."""
+        ``P:{T}:ord:cnt|post|freq|first|reqs|fifo``. Pure."""
         base = f"{self.prefix}:{{{_digest(b'cpm-tenant', tenant)}}}:ord:"
         return tuple(base + name for name in DECISION_FIELDS)
 

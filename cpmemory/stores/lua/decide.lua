@@ -1,7 +1,7 @@
 -- decide.lua: a tenant's online order state (cpmemory/core/online.py, the same rules), shared by every worker.
 -- KEYS[1] cnt   (hash)  trie node id -> requests recorded through it;  node id .. "t" -> clock of its last use
 --                       (node id = 16 hex digits of sha1(parent id .. "|" .. block), the root is "")
--- KEYS[2] last  (unused, reserved)
+-- KEYS[2] post  (hash)  block -> ordinals ("#seen") of the last requests that retrieved it, comma separated
 -- KEYS[3] freq  (hash)  block -> retrieval count; "#seen" requests observed, "#clock" requests recorded
 -- KEYS[4] first (hash)  block -> the "#seen" ordinal of the request that first retrieved it
 -- KEYS[5] reqs  (hash)  request id -> the node ids of its recorded order, comma separated
@@ -10,10 +10,12 @@
 -- ARGV[1] mode: "order" (observe + order), "record", "both" (order + record), "evict"
 -- ARGV[2] TTL of the state in ms (0 none)     ARGV[3] max recorded requests     ARGV[4] max blocks counted
 -- ARGV[5] request id (record / both; "" none)  ARGV[6] match budget   ARGV[7] recency scale
--- ARGV[8 ..] order / both: block, size pairs (the request's distinct blocks, relevance order);
+-- ARGV[8] requests kept per block posting
+-- ARGV[9 ..] order / both: block, size pairs (the request's distinct blocks, relevance order);
 --            record: the blocks in the order sent;  evict: request ids
 -- Returns the order (order / both), the number of ids forgotten (record), or the number evicted (evict).
--- Cost: the match expands at most ARGV[6] nodes (one HMGET pair each); record and evict are O(k).
+-- Cost: the match expands at most ARGV[6] nodes (one HMGET pair each); the extension intersects the request's
+-- postings (read and written with one HMGET / HSET); record and evict are O(k).
 
 local mode = ARGV[1]
 local ttl = tonumber(ARGV[2])
@@ -22,7 +24,10 @@ local max_blocks = tonumber(ARGV[4])
 local request_id = ARGV[5]
 local budget = tonumber(ARGV[6])
 local scale = tonumber(ARGV[7])
+local posting_length = tonumber(ARGV[8])
+local FIRST_ARG = 9
 local seen_count = 0
+local postings = {}  -- block -> {ordinal = true} of the request being ordered (after observe)
 local refresh_now = false
 
 local function child_id(parent, block)
@@ -49,13 +54,35 @@ end
 
 local function observe(blocks)
   if redis.call('HLEN', KEYS[3]) > max_blocks then  -- bounded: forget the popularity learnt so far
-    redis.call('DEL', KEYS[3], KEYS[4])
+    redis.call('DEL', KEYS[3], KEYS[4], KEYS[2])
   end
   local ordinal = redis.call('HINCRBY', KEYS[3], '#seen', 1)
   refresh_now = refresh_now or ordinal == 1
   for i = 1, #blocks do
     redis.call('HINCRBY', KEYS[3], blocks[i], 1)
     redis.call('HSETNX', KEYS[4], blocks[i], ordinal)
+  end
+  if #blocks > 0 then
+    local stored = redis.call('HMGET', KEYS[2], unpack(blocks))
+    local fields = {}
+    for i = 1, #blocks do
+      local list = {}
+      for value in string.gmatch(stored[i] or '', '[^,]+') do
+        list[#list + 1] = value
+      end
+      list[#list + 1] = tostring(ordinal)
+      while #list > posting_length do
+        table.remove(list, 1)
+      end
+      local set = {}
+      for j = 1, #list do
+        set[tonumber(list[j])] = true
+      end
+      postings[blocks[i]] = set
+      fields[#fields + 1] = blocks[i]
+      fields[#fields + 1] = table.concat(list, ',')
+    end
+    redis.call('HSET', KEYS[2], unpack(fields))
   end
   return ordinal
 end
@@ -118,26 +145,84 @@ local function match(blocks, size, clock)
   return best_path
 end
 
--- The blocks not matched, by size * odds of retrieval so far (core/online.py: _extension).
-local function extension(rest, size)
+-- The blocks not matched (core/online.py: _extension): by co-occurrence with the blocks placed so far among the
+-- requests that retrieved all of them; the first by size * odds of retrieval; the blocks nobody like this request
+-- holds keep the relevance order.
+local function copy_without(set, own)
+  local out = {}
+  for ordinal in pairs(set) do
+    if ordinal ~= own then
+      out[ordinal] = true
+    end
+  end
+  return out
+end
+
+local function intersect(a, b)
+  local out = {}
+  for ordinal in pairs(a) do
+    if b[ordinal] then
+      out[ordinal] = true
+    end
+  end
+  return out
+end
+
+local function extension(rest, size, path, own)
   local seen = math.max(1, seen_count)
   local unseen = seen_count + 1
-  local rank = {}
+  local count, first = {}, {}
   if #rest > 0 then
     local counts = redis.call('HMGET', KEYS[3], unpack(rest))
     local firsts = redis.call('HMGET', KEYS[4], unpack(rest))
     for i = 1, #rest do
-      local share = math.min(tonumber(counts[i] or '0') / seen, 0.999)
-      rank[rest[i]] = {-size[rest[i]] * share / (1.0 - share), tonumber(firsts[i] or unseen), i}
+      count[rest[i]] = tonumber(counts[i] or '0')
+      first[rest[i]] = tonumber(firsts[i] or unseen)
     end
   end
-  table.sort(rest, function(a, b)  -- Python's sort is stable: the request's own order breaks the last ties
-    local x, y = rank[a], rank[b]
-    if x[1] ~= y[1] then return x[1] < y[1] end
-    if x[2] ~= y[2] then return x[2] < y[2] end
-    return x[3] < y[3]
-  end)
-  return rest
+  local holders = nil
+  for i = 1, #path do
+    local set = postings[path[i]] or {}
+    holders = holders and intersect(holders, set) or copy_without(set, own)
+  end
+  local placed = {}
+  while #rest > 0 do
+    if holders ~= nil and next(holders) == nil then
+      break
+    end
+    local best, best_value, best_first = nil, 0, 0
+    for i = 1, #rest do
+      local block = rest[i]
+      local value
+      if holders == nil then
+        local share = math.min(count[block] / seen, 0.999)
+        value = size[block] * share / (1.0 - share)
+      else
+        local n = 0
+        local set = postings[block] or {}
+        for ordinal in pairs(holders) do
+          if set[ordinal] then
+            n = n + 1
+          end
+        end
+        value = size[block] * n
+      end
+      if best == nil or value > best_value or (value == best_value and first[block] < best_first) then
+        best, best_value, best_first = i, value, first[block]
+      end
+    end
+    if best_value == 0 then
+      break  -- nobody like this request holds any block left
+    end
+    local block = table.remove(rest, best)
+    placed[#placed + 1] = block
+    local set = postings[block] or {}
+    holders = holders and intersect(holders, set) or copy_without(set, own)
+  end
+  for i = 1, #rest do
+    placed[#placed + 1] = rest[i]
+  end
+  return placed
 end
 
 local function record(order)
@@ -180,18 +265,18 @@ end
 local result
 if mode == 'evict' then
   result = 0
-  for i = 8, #ARGV do
+  for i = FIRST_ARG, #ARGV do
     result = result + evict(ARGV[i])
   end
 elseif mode == 'record' then
   local order = {}
-  for i = 8, #ARGV do
+  for i = FIRST_ARG, #ARGV do
     order[#order + 1] = ARGV[i]
   end
   result = record(order)
 else
   local blocks, size = {}, {}
-  for i = 8, #ARGV - 1, 2 do
+  for i = FIRST_ARG, #ARGV - 1, 2 do
     blocks[#blocks + 1] = ARGV[i]
     size[ARGV[i]] = tonumber(ARGV[i + 1])
   end
@@ -209,7 +294,7 @@ else
     end
   end
   local order = path
-  for _, block in ipairs(extension(rest, size)) do
+  for _, block in ipairs(extension(rest, size, path, seen_count)) do
     order[#order + 1] = block
   end
   if mode == 'both' then

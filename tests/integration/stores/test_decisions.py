@@ -42,6 +42,7 @@ def facade(prefix: str) -> CpMemory:
 def test_the_limits_match_the_python_orderer():
     assert DecisionLimits().match_budget == online.MATCH_BUDGET
     assert DecisionLimits().recency_scale == online.RECENCY_SCALE
+    assert DecisionLimits().posting_length == online.POSTING_LENGTH
 
 
 def test_two_facades_on_one_redis_decide_as_one_and_a_new_one_resumes(prefix):

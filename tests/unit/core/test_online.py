@@ -29,6 +29,33 @@ def test_the_deepest_cached_path_wins_over_the_most_travelled_child():
     assert orderer.order(["a", "b", "c", "d"], sizes("abcd"))[:3] == ["b", "c", "d"]
 
 
+def _seen_and_evicted(orderer, *requests):
+    """Requests the engine served and then evicted: counted and in the postings, no longer in the trie."""
+    for number, keys in enumerate(requests):
+        orderer.observe(keys)
+        orderer.record(list(keys), f"gone{number}")
+        orderer.evict(f"gone{number}")
+
+
+def test_after_the_match_the_blocks_of_similar_requests_come_before_globally_popular_ones():
+    orderer = OnlineOrderer()
+    _seen_and_evicted(orderer, ["a", "z"], ["a", "z"], *[["w", "q"]] * 5)
+    orderer.observe(["a"])
+    orderer.record(["a"], "cached")
+    orderer.observe(["a", "w", "z"])
+    # w is retrieved 6 times, z 3 times, but every earlier request holding a (the cached prefix) held z, none w
+    assert orderer.order(["a", "w", "z"], sizes("awz")) == ["a", "z", "w"]
+
+
+def test_blocks_no_similar_request_holds_keep_the_relevance_order():
+    orderer = OnlineOrderer()
+    orderer.observe(["a", "b"])
+    orderer.record(["a", "b"], "r1")
+    orderer.observe(["a", "p", "o"])
+    # after the cached a, nobody who retrieved a retrieved p or o: their order stays as retrieved (o is bigger)
+    assert orderer.order(["a", "p", "o"], [10.0, 1.0, 50.0]) == ["a", "p", "o"]
+
+
 def test_unmatched_blocks_follow_by_size_times_odds_of_retrieval():
     orderer = OnlineOrderer()
     for keys in (["a", "b"], ["a", "c"], ["a", "b"], ["d"]):
