@@ -9,14 +9,14 @@ is cached as a path from the root), how often each block was retrieved so far, a
    (``age`` = requests sent since the trie node was last used). A long path used recently is likely still cached;
    an old one was likely evicted. Taking the deepest such path (not the most travelled child at each step) reuses
    more of what the cache holds; the recency weight keeps a tight cache from being chased into evicted branches.
-2. **Extend by co-occurrence**: the next block is the one, among those left, that most earlier requests holding
-   every block placed so far also retrieved (token-weighted: ``size * count``), and so on, narrowing that set of
-   requests at each step. These are the requests most like this one; a later request like them will hold the same
-   blocks, so it finds this order's prefix cached. With nothing placed yet, the first block goes by
-   ``size * p / (1 - p)`` (``p`` its retrieval frequency so far: for independent draws the order that maximises
-   the tokens a future request shares, by an exchange argument on adjacent blocks).
-3. **Keep the relevance order** for the blocks no such request holds (nobody is known to reuse them): the rule of
-   the offline planner, which also spares order annotations.
+2. **Extend by co-occurrence**: the next block is the one, among those left, that the earlier requests holding
+   every block placed so far retrieved most often, token-weighted: ``size * (count + p) / (holders + 1)``, the
+   share of those ``holders`` that retrieved it, smoothed toward ``p``, its retrieval frequency so far (additive
+   smoothing with the popularity as the prior: with few or no such requests the order falls back to popularity).
+   The set of holders narrows at each step. These are the requests most like this one; a later request like them
+   holds the same blocks, so it finds this order's prefix cached. With nothing placed yet, the first block goes by
+   ``size * p / (1 - p)`` (for independent draws the order that maximises the tokens a future request shares, by
+   an exchange argument on adjacent blocks). Ties: the block first retrieved earliest, then the relevance order.
 
 The chosen order is then recorded (:meth:`OnlineOrderer.record`) along the trie with the request id, so an
 eviction reported by the engine (:meth:`OnlineOrderer.evict`) takes the request's weight off its path, and nodes
@@ -26,8 +26,8 @@ per block.
 
 Cost per request: the match visits at most ``MATCH_BUDGET`` trie nodes with one dict lookup per block of the
 request at each (``O(k * visited)``, independent of the number of requests indexed), the extension intersects at
-most ``k`` postings of ``POSTING_LENGTH`` requests per step (``O(k^2 * POSTING_LENGTH)`` set work, in practice the
-set shrinks to a few requests after two steps), and recording walks ``k`` nodes.
+most ``k`` postings of ``POSTING_LENGTH`` requests per step (``O(k^2 * POSTING_LENGTH)`` set work; in practice the
+set of holders shrinks to a few requests after two steps), and recording walks ``k`` nodes.
 
 Not thread-safe: the facade serialises access (one orderer per tenant, behind the tenant indexes' lock).
 """
@@ -159,20 +159,20 @@ class OnlineOrderer:
             holders.discard(own)
         rest = list(rest)
         seen = max(1, self._requests_seen)
-        while rest and holders != set():
+        frequency = self._frequency
+        while rest:
             best: tuple[float, int, int] | None = None
             chosen = rest[0]
             for position, key in enumerate(rest):
+                share = min(frequency.get(key, 0) / seen, 0.999)
                 if holders is None:  # nothing placed: size * odds of retrieval
-                    share = min(self._frequency.get(key, 0) / seen, 0.999)
                     value = size[key] * share / (1.0 - share)
-                else:  # tokens times the similar requests that also retrieved it
-                    value = size[key] * len(holders.intersection(postings.get(key, ())))
+                else:  # size * P(retrieved | retrieved every block placed), smoothed toward its popularity
+                    count = len(holders.intersection(postings.get(key, ())))
+                    value = size[key] * (count + share) / (len(holders) + 1.0)
                 rank = (-value, first.get(key, unseen), position)
                 if best is None or rank < best:
                     best, chosen = rank, key
-            if best is None or best[0] == 0.0:
-                break  # nobody like this request holds any block left
             placed.append(chosen)
             rest.remove(chosen)
             posting = set(postings.get(chosen, ()))

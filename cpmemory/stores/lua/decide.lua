@@ -145,9 +145,9 @@ local function match(blocks, size, clock)
   return best_path
 end
 
--- The blocks not matched (core/online.py: _extension): by co-occurrence with the blocks placed so far among the
--- requests that retrieved all of them; the first by size * odds of retrieval; the blocks nobody like this request
--- holds keep the relevance order.
+-- The blocks not matched (core/online.py: _extension): the first by size * odds of retrieval, then each by
+-- size * (holders that retrieved it + its share of retrievals) / (holders + 1), the holders being the requests
+-- that retrieved every block placed so far.
 local function copy_without(set, own)
   local out = {}
   for ordinal in pairs(set) do
@@ -187,15 +187,18 @@ local function extension(rest, size, path, own)
   end
   local placed = {}
   while #rest > 0 do
-    if holders ~= nil and next(holders) == nil then
-      break
-    end
     local best, best_value, best_first = nil, 0, 0
+    local holder_count = 0
+    if holders ~= nil then
+      for _ in pairs(holders) do
+        holder_count = holder_count + 1
+      end
+    end
     for i = 1, #rest do
       local block = rest[i]
+      local share = math.min(count[block] / seen, 0.999)
       local value
       if holders == nil then
-        local share = math.min(count[block] / seen, 0.999)
         value = size[block] * share / (1.0 - share)
       else
         local n = 0
@@ -205,22 +208,16 @@ local function extension(rest, size, path, own)
             n = n + 1
           end
         end
-        value = size[block] * n
+        value = size[block] * (n + share) / (holder_count + 1.0)
       end
       if best == nil or value > best_value or (value == best_value and first[block] < best_first) then
         best, best_value, best_first = i, value, first[block]
       end
     end
-    if best_value == 0 then
-      break  -- nobody like this request holds any block left
-    end
     local block = table.remove(rest, best)
     placed[#placed + 1] = block
     local set = postings[block] or {}
     holders = holders and intersect(holders, set) or copy_without(set, own)
-  end
-  for i = 1, #rest do
-    placed[#placed + 1] = rest[i]
   end
   return placed
 end

@@ -47,13 +47,17 @@ def test_after_the_match_the_blocks_of_similar_requests_come_before_globally_pop
     assert orderer.order(["a", "w", "z"], sizes("awz")) == ["a", "z", "w"]
 
 
-def test_blocks_no_similar_request_holds_keep_the_relevance_order():
+def test_with_few_similar_requests_the_extension_leans_on_popularity():
     orderer = OnlineOrderer()
+    _seen_and_evicted(orderer, *[["p", "x"]] * 4)
     orderer.observe(["a", "b"])
     orderer.record(["a", "b"], "r1")
-    orderer.observe(["a", "p", "o"])
-    # after the cached a, nobody who retrieved a retrieved p or o: their order stays as retrieved (o is bigger)
-    assert orderer.order(["a", "p", "o"], [10.0, 1.0, 50.0]) == ["a", "p", "o"]
+    orderer.observe(["a", "o", "p"])
+    # after the cached a, the one earlier request holding a held neither o nor p: p, retrieved 5 times in 6
+    # requests, goes before o, retrieved once (same size), although o ranks higher
+    assert orderer.order(["a", "o", "p"], sizes("aop")) == ["a", "p", "o"]
+    # the smoothing is by tokens: a big rare block goes before a small popular one
+    assert orderer.order(["a", "o", "p"], [10.0, 100.0, 10.0]) == ["a", "o", "p"]
 
 
 def test_unmatched_blocks_follow_by_size_times_odds_of_retrieval():
