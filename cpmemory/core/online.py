@@ -12,11 +12,13 @@ is cached as a path from the root), how often each block was retrieved so far, a
 2. **Extend by co-occurrence**: the next block is the one, among those left, that the earlier requests holding
    every block placed so far retrieved most often, token-weighted: ``size * (count + p) / (holders + 1)``, the
    share of those ``holders`` that retrieved it, smoothed toward ``p``, its retrieval frequency so far (additive
-   smoothing with the popularity as the prior: with few or no such requests the order falls back to popularity).
-   The set of holders narrows at each step. These are the requests most like this one; a later request like them
-   holds the same blocks, so it finds this order's prefix cached. With nothing placed yet, the first block goes by
+   smoothing with the popularity as the prior: with few such requests the order leans on popularity). The set of
+   holders narrows at each step. These are the requests most like this one; a later request like them holds the
+   same blocks, so it finds this order's prefix cached. With nothing placed yet, the first block goes by
    ``size * p / (1 - p)`` (for independent draws the order that maximises the tokens a future request shares, by
    an exchange argument on adjacent blocks). Ties: the block first retrieved earliest, then the relevance order.
+3. **Keep the relevance order** once no earlier request holds every block placed (nobody is known to share a
+   longer prefix): the rule of the offline planner for unshared tails, which also spares order annotations.
 
 The chosen order is then recorded (:meth:`OnlineOrderer.record`) along the trie with the request id, so an
 eviction reported by the engine (:meth:`OnlineOrderer.evict`) takes the request's weight off its path, and nodes
@@ -160,7 +162,7 @@ class OnlineOrderer:
         rest = list(rest)
         seen = max(1, self._requests_seen)
         frequency = self._frequency
-        while rest:
+        while rest and holders != set():  # no earlier request holds all placed: the rest keep the relevance order
             best: tuple[float, int, int] | None = None
             chosen = rest[0]
             for position, key in enumerate(rest):

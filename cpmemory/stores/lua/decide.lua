@@ -147,7 +147,7 @@ end
 
 -- The blocks not matched (core/online.py: _extension): the first by size * odds of retrieval, then each by
 -- size * (holders that retrieved it + its share of retrievals) / (holders + 1), the holders being the requests
--- that retrieved every block placed so far.
+-- that retrieved every block placed so far; once there are none, the rest keep the relevance order.
 local function copy_without(set, own)
   local out = {}
   for ordinal in pairs(set) do
@@ -187,13 +187,16 @@ local function extension(rest, size, path, own)
   end
   local placed = {}
   while #rest > 0 do
-    local best, best_value, best_first = nil, 0, 0
     local holder_count = 0
     if holders ~= nil then
       for _ in pairs(holders) do
         holder_count = holder_count + 1
       end
+      if holder_count == 0 then
+        break  -- no earlier request holds every block placed: the rest keep the relevance order
+      end
     end
+    local best, best_value, best_first = nil, 0, 0
     for i = 1, #rest do
       local block = rest[i]
       local share = math.min(count[block] / seen, 0.999)
@@ -218,6 +221,9 @@ local function extension(rest, size, path, own)
     placed[#placed + 1] = block
     local set = postings[block] or {}
     holders = holders and intersect(holders, set) or copy_without(set, own)
+  end
+  for i = 1, #rest do
+    placed[#placed + 1] = rest[i]
   end
   return placed
 end

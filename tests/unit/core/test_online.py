@@ -60,6 +60,15 @@ def test_with_few_similar_requests_the_extension_leans_on_popularity():
     assert orderer.order(["a", "o", "p"], [10.0, 100.0, 10.0]) == ["a", "o", "p"]
 
 
+def test_once_no_earlier_request_holds_the_blocks_placed_the_rest_keep_the_relevance_order():
+    orderer = OnlineOrderer()
+    _seen_and_evicted(orderer, ["q", "x"], *[["p", "y"]] * 3, *[["o", "z"]] * 2)
+    orderer.observe(["c", "o", "p", "q"])
+    # q (big) first by odds; of its one earlier holder's company, p is the most popular (smoothing); nobody held
+    # both q and p, so c and o stay in relevance order although o is the more popular
+    assert orderer.order(["c", "o", "p", "q"], [1.0, 1.0, 1.0, 100.0]) == ["q", "p", "c", "o"]
+
+
 def test_unmatched_blocks_follow_by_size_times_odds_of_retrieval():
     orderer = OnlineOrderer()
     for keys in (["a", "b"], ["a", "c"], ["a", "b"], ["d"]):
