@@ -233,9 +233,8 @@ class _Facade:
         builder = self.builders[self.requests_built % len(self.builders)]
         builder._count = self.requests_built  # conversation names stay unique across workers
         self.requests_built += 1
-        started = time.perf_counter()
         built = builder.build_online(self.context.trace.requests[index], self.context.prepared[index])
-        self.decision_ms = (time.perf_counter() - started) * 1000.0
+        self.decision_ms = builder.middleware_ms  # prepare + commit, not the replay's own token counting
         return built
 
 

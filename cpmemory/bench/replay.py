@@ -150,6 +150,7 @@ class FacadePromptBuilder:
         self.memory = CpMemory(store=store, config=CpMemoryConfig(system_prompt=system_prompt, ttl_s=None))
         self.multi_turn = multi_turn
         self._count = 0
+        self.middleware_ms = 0.0
 
     def build(self, request: TraceRequest, prepared: PreparedRequest, context: Sequence[str]) -> dict[str, Any]:
         """Prepare and commit the turn; return its messages, the content tokens dedup removed, annotation tokens."""
@@ -169,11 +170,16 @@ class FacadePromptBuilder:
 
 
     def build_online(self, request: TraceRequest, prepared: PreparedRequest) -> dict[str, Any]:
-        """Like :meth:`build` with no ``prompt_order``: the facade's online ordering decides (the integrations' path)."""
+        """Like :meth:`build` with no ``prompt_order``: the facade's online ordering decides (the integrations' path).
+
+        ``middleware_ms`` is then the time of ``prepare`` + ``commit`` alone (not this benchmark's token counting).
+        """
         conversation = request.session if self.multi_turn else f"{request.session}#{self._count}"
         self._count += 1
+        started = time.perf_counter()
         turn = self.memory.prepare(conversation, request.query, prepared.blocks)
         self.memory.commit(turn, answer_of(request))
+        self.middleware_ms = (time.perf_counter() - started) * 1000.0
         user = turn.messages[-1]["content"]
         position = {block.id: i for i, block in enumerate(prepared.blocks)}
         order = [position[block_id] for block_id in turn.prompt_order]
