@@ -211,7 +211,8 @@ def test_bad_bounds_are_rejected():
 
 
 async def test_with_the_facade_as_planner_the_window_s_shared_blocks_lead():
-    """The real planner: the first waiting request puts first the blocks the later ones hold."""
+    """The real planner (the waiters are tenant "t"): the first waiting request puts first the blocks the later ones
+    hold, as the window planner decided (prepared for the same tenant, the planned orders are used)."""
     memory = AsyncCpMemory()
     queue = HoldQueue(1, LONG, planner=lambda requests, tenant: memory.release_order(requests, tenant=tenant))
     running = queue.try_admit()
@@ -220,6 +221,6 @@ async def test_with_the_facade_as_planner_the_window_s_shared_blocks_lead():
     running.done()
     await asyncio.gather(*tasks)
     assert [name for name, _ in admitted] == ["0", "1", "2", "3"]  # today's window planner keeps arrival order
-    turns = [await memory.prepare(f"c{name}", "q", window[int(name)]) for name, _ in admitted]
+    turns = [await memory.prepare(f"c{name}", "q", window[int(name)], tenant="t") for name, _ in admitted]
     assert set(turns[0].prompt_order[:2]) == {"2", "3"} and turns[2].prompt_order[:2] == turns[0].prompt_order[:2]
     assert turns[3].prompt_order[:2] == turns[1].prompt_order
