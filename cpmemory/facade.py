@@ -203,7 +203,8 @@ class CpMemory(FacadeCore):
         return [block for key in placed for block in by_hash[key]]
 
     def reset_index(self, tenant: str | None = None) -> None:
-        """Drop one tenant's index (or all of them): the engine's cache was flushed."""
+        """Drop one tenant's index (or all of them): the engine's cache was flushed. With a Redis store the shared
+        decision state stops trusting the orders recorded before (at the next decision call of each tenant)."""
         self._reset_index(tenant)
 
     def state(self, conversation_id: str, *, tenant: str = "default") -> ConversationState:

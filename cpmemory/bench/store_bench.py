@@ -12,8 +12,13 @@ Phases, per backend:
 * **sequential** (one conversation at a time, synchronous store): ``prepare_p50_ms`` / ``prepare_p99_ms`` are the
   store's ``reserve`` as the facade issues it when the caller passes the history (no transcript read);
   ``prepare_with_transcript_p50_ms`` is ``reserve`` also returning the stored transcript (facade with
-  ``history=None``); ``commit_p50_ms`` / ``commit_p99_ms``; ``facade_prepare_p50_ms`` is ``CpMemory.prepare``
-  (reserve + dedup + index + prompt) on the same store, history given by the caller.
+  ``history=None``); ``commit_p50_ms`` / ``commit_p99_ms``.
+* **facade on the shared state** (:mod:`cpmemory.bench.shared_state_bench`): on the Redis rows, ``--shared-state``
+  requests (default 100,000) are first recorded in the tenant's shared decision state; then ``CpMemory.prepare``
+  (reserve + the shared order + dedup + index + prompt, history given, no ``prompt_order``) and ``commit`` serve
+  ``--facade-conversations`` conversations: ``facade_prepare_p50_ms`` / ``_p99_ms``, ``facade_commit_p50_ms``,
+  ``facade_round_trips_per_request``, ``tenant_memory_bytes`` (``MEMORY USAGE`` of the tenant's decision keys)
+  with the bounds of that state. The memory row runs the same facade phase on the in-memory store (no fill).
 * **baseline**: ``ping_p50_ms``, a redis-py PING on the same client timed right before each prepare (the floor of
   any round trip on this machine under the same load); ``prepare_over_ping`` is the ratio of the p50s.
 * **round trips**, counted on the client socket (every ``send_packed_command`` of the connection class is one
@@ -145,7 +150,6 @@ class Samples:
     prepare: list[float] = field(default_factory=list)
     prepare_transcript: list[float] = field(default_factory=list)
     commit: list[float] = field(default_factory=list)
-    facade_prepare: list[float] = field(default_factory=list)
     ping: list[float] = field(default_factory=list)
     prepare_round_trips: int = 0
     commit_round_trips: int = 0
@@ -193,21 +197,6 @@ def run_sequential(store: Any, workload: Workload, counter: RoundTripCounter | N
     return samples
 
 
-def run_facade(store: Any, workload: Workload, samples: Samples, conversations: int) -> None:
-    """``CpMemory.prepare`` + commit on ``store`` for the first ``conversations``, the caller keeping the history."""
-    from cpmemory.facade import CpMemory
-
-    memory = CpMemory(store=store)
-    for number, conversation in enumerate(workload.turns[:conversations]):
-        history: list[dict[str, str]] = []
-        for blocks in conversation:
-            payload = [{"id": b.id, "text": b.text} for b in blocks]
-            prepared = _timed(samples.facade_prepare, memory.prepare, f"facade-{number}", "What next?", payload,
-                              history=list(history), tenant=workload.tenant)
-            memory.commit(prepared, "An answer.")
-            history.extend([prepared.messages[-1], {"role": "assistant", "content": "An answer."}])
-
-
 async def run_concurrent(store: Any, workload: Workload) -> tuple[Samples, float]:
     """All conversations at once on an asyncio store; returns the samples and the wall time in seconds."""
     samples = Samples()
@@ -251,7 +240,6 @@ def summarize(name: str, workload: Workload, sequential: Samples, concurrent: Sa
         "prepare_with_transcript_p50_ms": _ms(sequential.prepare_transcript, 0.5),
         "commit_p50_ms": _ms(sequential.commit, 0.5),
         "commit_p99_ms": _ms(sequential.commit, 0.99),
-        "facade_prepare_p50_ms": _ms(sequential.facade_prepare, 0.5),
         "turns_per_second": round(turns_total / wall_s, 1) if wall_s else None,
         "seen_fraction": round(sequential.blocks_seen / sequential.blocks, 4) if sequential.blocks else 0.0,
         "concurrent_prepare_p50_ms": _ms(concurrent.prepare, 0.5),
@@ -262,18 +250,29 @@ def summarize(name: str, workload: Workload, sequential: Samples, concurrent: Sa
     }
 
 
-def bench_memory(workload: Workload, facade_conversations: int) -> dict[str, Any]:
+@dataclass(frozen=True, slots=True)
+class FacadePhase:
+    """The facade phase's settings: conversations served through ``CpMemory`` and requests filled first."""
+
+    conversations: int = 20
+    shared_state: int = 100_000
+
+
+def bench_memory(workload: Workload, facade: FacadePhase) -> dict[str, Any]:
     """The in-memory store row (no network: 0 round trips)."""
+    from cpmemory.bench.shared_state_bench import run_shared_facade
     from cpmemory.stores.memory import AsyncInMemorySessionStore, InMemorySessionStore
 
     sequential = run_sequential(InMemorySessionStore(), workload, None)
-    run_facade(InMemorySessionStore(), workload, sequential, facade_conversations)
     concurrent, wall = asyncio.run(run_concurrent(AsyncInMemorySessionStore(), workload))
-    return summarize("memory", workload, sequential, concurrent, wall, counted=True)
+    row = summarize("memory", workload, sequential, concurrent, wall, counted=True)
+    shared = run_shared_facade(InMemorySessionStore(), workload, facade.conversations, lambda: 0, None)
+    return {**row, **shared, "shared_state_requests": 0}
 
 
-def bench_redis_url(name: str, url: str, cluster: bool, workload: Workload, facade_conversations: int) -> dict[str, Any]:
+def bench_redis_url(name: str, url: str, cluster: bool, workload: Workload, facade: FacadePhase) -> dict[str, Any]:
     """A Redis (or Redis Cluster) row against ``url``; keys under a fresh prefix, deleted afterwards."""
+    from cpmemory.bench.shared_state_bench import shared_state_row
     from cpmemory.stores.redis_store import AsyncRedisSessionStore, RedisStoreConfig
 
     config = RedisStoreConfig(prefix=f"cpmbench-{uuid.uuid4().hex[:10]}", socket_timeout_s=5.0, connect_timeout_s=2.0)
@@ -281,7 +280,8 @@ def bench_redis_url(name: str, url: str, cluster: bool, workload: Workload, faca
     store = _sync_store(url, config, cluster, counter)
     try:
         sequential = run_sequential(store, workload, counter, _ping(store.client, cluster))
-        run_facade(store, workload, sequential, facade_conversations)
+        shared = shared_state_row(store, workload, facade.shared_state, facade.conversations,
+                                  lambda: counter.sends, _ping(store.client, cluster), cluster)
 
         async def concurrent_phase() -> tuple[Samples, float]:
             async_store = AsyncRedisSessionStore.from_url(url, config, cluster=cluster)
@@ -296,7 +296,8 @@ def bench_redis_url(name: str, url: str, cluster: bool, workload: Workload, faca
         store.close()
     row = summarize(name, workload, sequential, concurrent, wall, counted=True)
     ping_p50_ms = _ms(sequential.ping, 0.5)
-    return {**row, "ping_p50_ms": ping_p50_ms, "prepare_over_ping": round(row["prepare_p50_ms"] / ping_p50_ms, 2)}
+    return {**row, "ping_p50_ms": ping_p50_ms, "prepare_over_ping": round(row["prepare_p50_ms"] / ping_p50_ms, 2),
+            **shared}
 
 
 def _ping(client: Any, cluster: bool) -> Callable[[], Any]:
@@ -342,21 +343,21 @@ def _redis_target(url: str) -> Iterator[tuple[str, str]]:
         yield server.url, f"{url} did not answer: used a local redis-server on port {server.port}"
 
 
-def run_backend(name: str, workload: Workload, redis_url: str, facade_conversations: int) -> dict[str, Any]:
+def run_backend(name: str, workload: Workload, redis_url: str, facade: FacadePhase) -> dict[str, Any]:
     """Run one backend; a backend that cannot run gives a row with ``skipped`` and the reason."""
     from cpmemory.testing.local_redis import LocalRedisCluster, redis_binaries_available
 
     try:
         if name == "memory":
-            return bench_memory(workload, facade_conversations)
+            return bench_memory(workload, facade)
         if name == "redis":
             with _redis_target(redis_url) as (url, note):
-                return {**bench_redis_url("redis", url, False, workload, facade_conversations), "target": note}
+                return {**bench_redis_url("redis", url, False, workload, facade), "target": note}
         if not redis_binaries_available():
             return {"backend": name, "skipped": "redis-server / redis-cli not on PATH"}
         with ExitStack() as stack:
             local_cluster = stack.enter_context(LocalRedisCluster(masters=3))
-            row = bench_redis_url("cluster", local_cluster.url, True, workload, facade_conversations)
+            row = bench_redis_url("cluster", local_cluster.url, True, workload, facade)
             return {**row, "target": "local 3-master Redis Cluster (redis-server on spare ports)"}
     except ImportError as error:
         return {"backend": name, "skipped": f"missing dependency: {error}"}
@@ -366,8 +367,10 @@ _TABLE_COLUMNS = {
     "backend": "backend", "round_trips_per_prepare": "rt/prepare", "round_trips_per_commit": "rt/commit",
     "ping_p50_ms": "ping p50", "prepare_p50_ms": "prepare p50", "prepare_p99_ms": "prepare p99",
     "prepare_with_transcript_p50_ms": "prep+transcript p50", "commit_p50_ms": "commit p50",
-    "facade_prepare_p50_ms": "facade prepare p50", "turns_per_second": "turns/s (concurrent)",
-    "concurrent_prepare_p50_ms": "concurrent prepare p50",
+    "turns_per_second": "turns/s (concurrent)", "concurrent_prepare_p50_ms": "concurrent prepare p50",
+    "shared_state_requests": "shared state (requests)", "facade_prepare_p50_ms": "facade prepare p50",
+    "facade_prepare_p99_ms": "facade prepare p99", "facade_round_trips_per_request": "rt/request (facade)",
+    "tenant_memory_bytes": "tenant memory (bytes)",
 }
 
 
@@ -391,8 +394,11 @@ def command(
     conversations: int = typer.Option(100, "--conversations", min=1, help="Concurrent conversations."),
     turns: int = typer.Option(10, "--turns", min=1, help="Turns per conversation."),
     redis_url: str = typer.Option("redis://127.0.0.1:6379/0", "--redis-url", help="Redis for the redis row."),
-    facade_conversations: int = typer.Option(20, "--facade-conversations", min=0,
-                                             help="Conversations also run through CpMemory.prepare."),
+    facade_conversations: int = typer.Option(20, "--facade-conversations", min=1,
+                                             help="Conversations also run through CpMemory.prepare + commit."),
+    shared_state: int = typer.Option(100_000, "--shared-state", min=0,
+                                     help="Requests recorded in the tenant's shared decision state before the "
+                                          "facade phase (Redis rows)."),
     seed: int = typer.Option(0, "--seed", help="Workload seed."),
     json_output: bool = typer.Option(False, "--json", help="Print one JSON object on stdout."),
 ) -> None:
@@ -404,10 +410,11 @@ def command(
     results: dict[str, dict[str, Any]] = {}
     for name in names:
         print(f"bench store: {name} ...", file=sys.stderr, flush=True)
-        results[name] = run_backend(name, workload, redis_url, facade_conversations)
+        results[name] = run_backend(name, workload, redis_url, FacadePhase(facade_conversations, shared_state))
     summary = {"results": results, "workload": {"conversations": conversations, "turns": turns,
                                                 "blocks_per_turn": BLOCKS_PER_TURN, "block_chars": BLOCK_CHARS,
-                                                "seed": seed}}
+                                                "seed": seed, "facade_conversations": facade_conversations,
+                                                "shared_state_requests": shared_state}}
     if json_output:
         print(json.dumps(summary))
     else:

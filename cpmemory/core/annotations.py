@@ -41,6 +41,8 @@ SECTION_SEPARATOR = "\n\n"
 LABEL_PATTERN = r"D[0-9a-f]{7,32}"
 # A block header is a line holding only "[<label>]".
 HEADER_RE = re.compile(r"^\[(" + LABEL_PATTERN + r")\]$", re.MULTILINE)
+# "[<label>]" then a line break, anywhere (how a caller-given history is searched for blocks shown in it).
+HEADER_ANYWHERE_RE = re.compile(r"\[(" + LABEL_PATTERN + r")\]\n")
 # A line that starts with a label: a header, a reference, or a partial block's trailer (for appearance order).
 LABELLED_LINE_RE = re.compile(r"^\(?(?:Rest of )?\[(" + LABEL_PATTERN + r")\]", re.MULTILINE)
 # The order annotation is the line right before the question section (a look-alike line inside a block's text or

@@ -73,7 +73,7 @@ def to_block(value: BlockLike) -> Block:
     """
     if isinstance(value, Block):
         return value
-    if isinstance(value, Mapping):
+    if type(value) is dict or isinstance(value, Mapping):  # a plain dict first: the ABC check costs more
         if "id" not in value or "text" not in value:
             raise InvalidBlockError(f"a block mapping needs 'id' and 'text' keys, got {sorted(map(str, value))}")
         block_id, text, metadata = value["id"], value["text"], value.get("metadata")

@@ -28,7 +28,7 @@ with segments it adds O(len(text)) per candidate block.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from cpmemory.core import annotations
@@ -120,11 +120,21 @@ def label_holds_only(prompt: str, label: str, text: str) -> bool:
     would be ambiguous. Pure; O(len(prompt)).
     """
     header = annotations.block_header(label) + "\n"
-    trailer = f"(Rest of [{label}]"
-    segments: set[str] | None = None
+    positions: list[int] = []
     at = prompt.find(header)
     while at != -1:
-        body = at + len(header)
+        positions.append(at)
+        at = prompt.find(header, at + len(header))
+    return _holds_only_at(prompt, label, text, positions)
+
+
+def _holds_only_at(prompt: str, label: str, text: str, positions: Iterable[int]) -> bool:
+    """:func:`label_holds_only` given the positions of every ``"[<label>]\n"`` in ``prompt``."""
+    header_length = len(annotations.block_header(label)) + 1
+    trailer = f"(Rest of [{label}]"
+    segments: set[str] | None = None
+    for at in positions:
+        body = at + header_length
         if at == 0 or prompt[at - 1] == "\n":
             after = body + len(text)
             holds_full = prompt.startswith(text, body) and (after == len(prompt) or prompt[after] == "\n")
@@ -134,7 +144,6 @@ def label_holds_only(prompt: str, label: str, text: str) -> bool:
                     segments = set(split_segments(text))
                 if end == -1 or not set(prompt[body:end].split("\n")) <= segments:
                     return False
-        at = prompt.find(header, body)
     return True
 
 
@@ -175,30 +184,62 @@ class CommittedHistory:
 @dataclass(frozen=True, slots=True)
 class GivenHistory:
     """A caller-given history, looked up verbatim (a block is present when "[<label>]\\n<text>" occurs in it under a
-    label that names no other text; the label may be a longer one given to avoid a collision)."""
+    label that names no other text; the label may be a longer one given to avoid a collision).
+
+    Every ``"[<label>]\\n"`` of the text is indexed once (one regex pass, or ``headers`` given: label -> the
+    positions of its ``"["``, as :func:`header_positions` finds them): a block is then looked up at the positions
+    of its own labels, not by searching the whole history once per block.
+    """
 
     text: str
     label_digits: int = LABEL_HEX_DIGITS
     collision_label_digits: int = COLLISION_LABEL_DIGITS
+    headers: Mapping[str, Sequence[int]] | None = field(default=None, repr=False, compare=False)
+    _headers: Mapping[str, Sequence[int]] = field(init=False, repr=False, compare=False)
+    _short: frozenset[str] = field(init=False, repr=False, compare=False)  # the headers' shortest-label prefixes
+
+    def __post_init__(self) -> None:
+        headers = self.headers if self.headers is not None else header_positions(self.text)
+        object.__setattr__(self, "_headers", headers)
+        object.__setattr__(self, "_short", frozenset(label[: 1 + self.label_digits] for label in headers))
 
     @classmethod
-    def from_messages(cls, messages: Iterable[Mapping[str, str]], **digits: int) -> GivenHistory:
-        """Join the contents of ``messages`` (O(total length)); ``digits`` are the label lengths (see the fields)."""
-        return cls("\n\n".join(message["content"] for message in messages), **digits)
+    def from_messages(
+        cls,
+        messages: Iterable[Mapping[str, str]],
+        label_digits: int = LABEL_HEX_DIGITS,
+        collision_label_digits: int = COLLISION_LABEL_DIGITS,
+    ) -> GivenHistory:
+        """Join the contents of ``messages`` (O(total length)) with the label lengths (see the fields)."""
+        return cls("\n\n".join(message["content"] for message in messages), label_digits, collision_label_digits)
 
     def present_label(self, block: Block, digest: str) -> str | None:
-        """O(len(history)): one substring search, more only when a label of the block occurs in the history."""
-        if "[" + label_for_hash(digest, self.label_digits) not in self.text:
+        """O(1) when no label of the block heads a text in the history; else O(len(text)) per header of it."""
+        headers, text = self._headers, self.text
+        if label_for_hash(digest, self.label_digits) not in self._short:  # every candidate starts with it
             return None
         for label in label_candidates(digest, self.label_digits, self.collision_label_digits):
-            shown = annotations.format_block(label, block.text)
-            if shown in self.text and label_holds_only(self.text, label, block.text):
+            positions = headers.get(label)
+            if not positions:
+                continue
+            body = len(label) + 3  # "[" label "]\n"
+            if any(text.startswith(block.text, at + body) for at in positions) and _holds_only_at(
+                text, label, block.text, positions
+            ):
                 return label
         return None
 
     def has_full(self, block: Block, digest: str) -> bool:
         """True when :meth:`present_label` finds the block."""
         return self.present_label(block, digest) is not None
+
+
+def header_positions(text: str, offset: int = 0) -> dict[str, list[int]]:
+    """Label -> the positions (plus ``offset``) of every ``"[<label>]\\n"`` in ``text``. Pure; O(len(text))."""
+    headers: dict[str, list[int]] = {}
+    for found in annotations.HEADER_ANYWHERE_RE.finditer(text):
+        headers.setdefault(found.group(1), []).append(offset + found.start())
+    return headers
 
 
 class SegmentIndex:

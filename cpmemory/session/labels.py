@@ -76,8 +76,13 @@ def _shown_label(
     history_text: Callable[[], str],
 ) -> str:
     digest = digests[i]
-    candidates = label_candidates(digest, context.digits, context.longer)
     previous = context.seen.get(digest) if context.seen else None
+    short = label_for_hash(digest, context.digits)
+    if (previous is None or previous.label == short) and owner.get(short, digest) == digest and not (
+        context.segments is not None and context.segments.has_header(short)
+    ):  # the usual case, decided without building the longer candidates (the loop below would pick it first)
+        return short
+    candidates = label_candidates(digest, context.digits, context.longer)
     if previous is not None and previous.label in candidates:
         candidates.insert(0, previous.label)
     for label in candidates:

@@ -8,7 +8,6 @@ facades add the store calls. :class:`IndexEvictor` is the synchronous index main
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import threading
 import time
@@ -93,7 +92,7 @@ class FacadeCore:
             self._outage = False
             logger.warning("session store reachable again; de-duplication resumed")
         # A conversation's history only grows: its segment index is cached and extended (stored or given history).
-        source = functools.partial(self._segments.for_history, turn_input.key)
+        source = self._segments.source(turn_input.key)
         try:
             if budget is not None:
                 turn = plan_budgeted(turn_input, reservation, self._indexes, self.config, budget, source)
@@ -273,7 +272,12 @@ class FacadeCore:
         return removed
 
     def _reset_index(self, tenant: str | None) -> None:
-        self._indexes.reset(None if tenant is None else _tenant(tenant))
+        tenant = None if tenant is None else _tenant(tenant)
+        self._indexes.reset(tenant)
+        # A shared decision state (Redis) stops trusting what it recorded: the engine's cache was cleared (no IO).
+        distrust = getattr(getattr(self, "store", None), "distrust_decisions", None)
+        if distrust is not None:
+            distrust(tenant)
 
     def index_evictor(self) -> IndexEvictor:
         """A synchronous view of the index maintenance (``evict``, ``reset_index``), safe to call from another

@@ -148,9 +148,15 @@ def _size(block: Block) -> float:
     return float(len(block.text) + 1)
 
 
-def history_view(sent: SentHistory, reservation: Reservation, config: CpMemoryConfig) -> HistoryView:
-    """How dedup looks up a block in the history sent: by content hash when possible, else by its text."""
+def history_view(
+    sent: SentHistory, reservation: Reservation, config: CpMemoryConfig, source: SegmentSource | None = None
+) -> HistoryView:
+    """How dedup looks up a block in the history sent: by content hash when possible, else by its text (from the
+    conversation's cached history text when ``source`` keeps one, ``cpmemory.session.segments``)."""
     if not sent.stored or not sent.turns_known:
+        given = getattr(source, "given", None)
+        if given is not None and sent.messages:
+            return given(sent.messages, config.label_digits, config.collision_label_digits)
         digits = {
             "label_digits": config.label_digits,
             "collision_label_digits": config.collision_label_digits,
@@ -170,14 +176,16 @@ def decide_blocks(
     sent: SentHistory,
     config: CpMemoryConfig,
     segments: SegmentIndex | None = None,
+    source: SegmentSource | None = None,
 ) -> list[DedupDecision]:
-    """Run the dedup rules against the history this request sends. Pure.
+    """Run the dedup rules against the history this request sends. Pure (``source`` may extend its cache).
 
     Args:
         segments: the segment index of the history sent (for partial overlap); None: no partial overlap.
+        source: where ``segments`` came from (its cached history text serves a given history's lookups).
     """
     history = sent.messages
-    view = history_view(sent, reservation, config)
+    view = history_view(sent, reservation, config, source)
     decisions = decide(turn_input.blocks, turn_input.digests, view, seen_hashes=reservation.seen,
                        previous_hash_for_id=reservation.previous_hash_for_id)
     if isinstance(view, CommittedHistory) and segments is not None:
@@ -314,7 +322,7 @@ def plan_turn(
     if sent is None:
         sent = sent_history(turn_input, reservation, config.max_history_turns)
     segments = (segment_source or SegmentIndex.from_messages)(sent.messages) if sent.messages else None
-    decisions = decide_blocks(turn_input, reservation, sent, config, segments)
+    decisions = decide_blocks(turn_input, reservation, sent, config, segments, segment_source)
     context = LabelContext(
         sent.messages, segments, reservation.seen, config.label_digits, config.collision_label_digits
     )

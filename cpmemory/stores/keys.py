@@ -12,7 +12,7 @@ conversation id)::
     P:{T:C}:paths    list   search path of each stored turn (JSON)
     P:{T:C}:res      zset   open reservation id -> deadline (server ms)
     P:{T:C}:done     zset   committed reservation id -> turn; "x:<id>" -> turn at expiry (expired marker)
-    P:{T}:ord:*      one tenant's shared decision state (the online orderer's trie and counts; see decide.lua)
+    P:{T}:ord2:*     one tenant's shared decision state (the online orderer's trie and counts; see decide.lua)
 
 Seen blocks, ids and the counters share one hash so that ``reserve`` reads all it needs with one ``HMGET``
 (every ``redis.call`` in a script costs a few microseconds). The ``{T:C}`` hash tag puts every key of one conversation in one Redis Cluster slot, so each Lua script touches a
@@ -31,7 +31,7 @@ from cpmemory.types import ConversationKey
 
 DEFAULT_PREFIX = "cpm"
 FIELDS: tuple[str, ...] = ("state", "log", "paths", "res", "done")
-DECISION_FIELDS: tuple[str, ...] = ("cnt", "post", "freq", "first", "reqs", "fifo")
+DECISION_FIELDS: tuple[str, ...] = ("trie", "meta", "freq", "reqs", "fifo")
 _PREFIX_PATTERN = re.compile(r"[A-Za-z0-9_.:\-]{1,64}")
 _HASH_BYTES = 16
 
@@ -96,8 +96,8 @@ class KeyScheme:
 
     def decision_keys(self, tenant: str) -> tuple[str, ...]:
         """The keys of one tenant's shared decision state (``decide.lua``'s ``KEYS``), one hash tag per tenant:
-        ``P:{T}:ord:cnt|post|freq|first|reqs|fifo``. Pure."""
-        base = f"{self.prefix}:{{{_digest(b'cpm-tenant', tenant)}}}:ord:"
+        ``P:{T}:ord2:trie|meta|freq|reqs|fifo`` (``ord2``: the layout of decide.lua's packed trie). Pure."""
+        base = f"{self.prefix}:{{{_digest(b'cpm-tenant', tenant)}}}:ord2:"
         return tuple(base + name for name in DECISION_FIELDS)
 
     def pattern(self) -> str:

@@ -1,21 +1,35 @@
 -- decide.lua: a tenant's online order state (cpmemory/core/online.py, the same rules), shared by every worker.
--- KEYS[1] cnt   (hash)  trie node id -> requests recorded through it;  node id .. "t" -> clock of its last use
---                       (node id = 16 hex digits of sha1(parent id .. "|" .. block), the root is "")
--- KEYS[2] post  (hash)  block -> ordinals ("#seen") of the last requests that retrieved it, comma separated
--- KEYS[3] freq  (hash)  block -> retrieval count; "#seen" requests observed, "#clock" requests recorded
--- KEYS[4] first (hash)  block -> the "#seen" ordinal of the request that first retrieved it
--- KEYS[5] reqs  (hash)  request id -> the node ids of its recorded order, comma separated
--- KEYS[6] fifo  (list)  recorded request ids, oldest first (bounds the state)
+-- Blocks are 8-byte keys (cpmemory/stores/decisions.py: block_key); a trie node is an ENTRY (its 6-byte id,
+-- requests recorded through it, clock of its last use) kept by its parent, in one of two shapes:
+--   wide (the root, and a node with more than FANOUT children): one field per child, parent id .. block -> ENTRY
+--        (the root's id is ''), and the parent's own field (its id) holds '' as the mark;
+--   narrow: the parent's field (its id) holds its children as records, block .. ENTRY (24 bytes) each.
+-- KEYS[1] trie  (hash)  the nodes, as above
+-- KEYS[2] meta  (hash)  '#clock' requests recorded, '#n' last node id given, '#since' oldest clock trusted (nodes
+--                       last used before it are ignored by the match: a gap), '#gap_ms' server time of the last gap
+-- KEYS[3] freq  (hash)  block -> struct '>I6I6' (retrieval count, the '#seen' ordinal of the request that first
+--                       retrieved it) then its posting: the ordinals of the last ARGV[10] requests that retrieved it
+--                       ('>I6' each, oldest first); '#seen' requests observed
+-- KEYS[4] reqs  (hash)  request id -> the blocks of its recorded order (8 bytes each)
+-- KEYS[5] fifo  (zset)  recorded request id -> the clock of its record (the oldest is forgotten first)
 -- (one tenant hash tag: every key in one cluster slot)
 -- ARGV[1] mode: "order" (observe + order), "record", "both" (order + record), "evict"
 -- ARGV[2] TTL of the state in ms (0 none)     ARGV[3] max recorded requests     ARGV[4] max blocks counted
 -- ARGV[5] request id (record / both; "" none)  ARGV[6] match budget   ARGV[7] recency scale
--- ARGV[8] requests kept per block posting
--- ARGV[9 ..] order / both: block, size pairs (the request's distinct blocks, relevance order);
---            record: the blocks in the order sent;  evict: request ids
+-- ARGV[8] gap: "" none; "reset" distrust every node now (the engine's cache was cleared); N: a call of this
+--         worker failed N ms ago (distrust every node now, unless a gap was taken since then, less GAP_SLACK_MS)
+-- ARGV[9] FANOUT: the most children a narrow node holds   ARGV[10] requests kept per block posting
+-- ARGV[11 ..] order / both: the request's distinct blocks in relevance order (concatenated), their sizes (struct
+--            '>d' each) and ranks (struct '>I4' each: the place of the caller's key among the request's keys in
+--            string order, the match's tie-break);  record: the blocks in the order sent (concatenated);
+--            evict: request ids
 -- Returns the order (order / both), the number of ids forgotten (record), or the number evicted (evict).
--- Cost: the match expands at most ARGV[6] nodes (one HMGET pair each); the extension intersects the request's
--- postings (read and written with one HMGET / HSET); record and evict are O(k).
+-- Cost: the match expands at most ARGV[6] nodes: a narrow one is one HGET and a plain string.find per request
+-- block, a wide one one HMGET; observe (counts and postings) is 4 calls; the extension intersects postings in Lua
+-- (no call); record and evict read and write one field per block.
+-- Why this layout: on a large hash every field read is a cache miss (about 2 us on the development machine),
+-- and every redis.call, number formatted or parsed, string built and Lua-side comparison costs about a
+-- microsecond, so a node's children sit in one field, numbers cross as binary structs, and sorts compare numbers.
 
 local mode = ARGV[1]
 local ttl = tonumber(ARGV[2])
@@ -24,206 +38,430 @@ local max_blocks = tonumber(ARGV[4])
 local request_id = ARGV[5]
 local budget = tonumber(ARGV[6])
 local scale = tonumber(ARGV[7])
-local posting_length = tonumber(ARGV[8])
-local FIRST_ARG = 9
-local seen_count = 0
-local postings = {}  -- block -> {ordinal = true} of the request being ordered (after observe)
+local gap = ARGV[8]
+local FANOUT = tonumber(ARGV[9])
+local posting_length = tonumber(ARGV[10])
+local FIRST_BLOCK = 11
+local ENTRY = '>I6I4I6'
+local COUNTS = '>I6I6'
+local RECORD = 24  -- a child in a narrow node: block (8 bytes) .. ENTRY (16 bytes)
+local GAP_SLACK_MS = 2000
+local CHUNK = 1000  -- Lua's unpack takes at most a few thousand values
 local refresh_now = false
 
-local function child_id(parent, block)
-  return string.sub(redis.sha1hex(parent .. '|' .. block), 1, 16)
-end
+local meta = redis.call('HMGET', KEYS[2], '#clock', '#since')
+local clock = tonumber(meta[1] or '0')
+local since = tonumber(meta[2] or '0')
 
-local function release(path)
-  for id in string.gmatch(path, '[^,]+') do
-    if redis.call('HINCRBY', KEYS[1], id, -1) <= 0 then
-      redis.call('HDEL', KEYS[1], id, id .. 't')
+local function hmget(key, fields)
+  if #fields <= CHUNK then
+    return redis.call('HMGET', key, unpack(fields))
+  end
+  local values = {}
+  for start = 1, #fields, CHUNK do
+    local part = redis.call('HMGET', key, unpack(fields, start, math.min(start + CHUNK - 1, #fields)))
+    for i = 1, #part do
+      values[#values + 1] = part[i]
     end
   end
+  return values
+end
+
+local function server_ms()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+
+-- A gap: every node used so far is no longer trusted (the engine's cache moved on while nothing was recorded).
+local function distrust(now)
+  since = clock + 1
+  redis.call('HSET', KEYS[2], '#since', since, '#gap_ms', now)
+end
+
+-- Indices 1..n sorted by (primary ascending, secondary ascending); secondary values are distinct numbers.
+-- Only numbers are sorted (table.sort's own comparison: a Lua comparator costs far more per call): each index
+-- becomes the exact integer (dense rank of its primary) * (n + 1) + (rank of its secondary).
+local function dense_ranks(values, n)  -- value -> its rank among the distinct values (1 = smallest)
+  local sorted = {}
+  for i = 1, n do
+    sorted[i] = values[i]
+  end
+  table.sort(sorted)
+  local rank_of, rank = {}, 0
+  for i = 1, n do
+    local value = sorted[i]
+    if rank_of[value] == nil then
+      rank = rank + 1
+      rank_of[value] = rank
+    end
+  end
+  return rank_of
+end
+
+local function sorted_by(primary, secondary, n)
+  if n < 2 then
+    return n == 1 and {1} or {}
+  end
+  local first_rank, second_rank = dense_ranks(primary, n), dense_ranks(secondary, n)
+  local keys, index_of = {}, {}
+  for i = 1, n do
+    local key = first_rank[primary[i]] * (n + 1) + second_rank[secondary[i]]
+    keys[i] = key
+    index_of[key] = i
+  end
+  table.sort(keys)
+  for i = 1, n do
+    keys[i] = index_of[keys[i]]
+  end
+  return keys
+end
+
+-- The n values of struct `kind` ('d', 'I4') packed in `packed`, in chunks (a C call returns them on the stack).
+local function unpack_all(kind, packed, n)
+  local out, position, width = {}, 1, struct.size('>' .. kind)
+  for start = 1, n, CHUNK do
+    local count = math.min(CHUNK, n - start + 1)
+    local part = {struct.unpack('>' .. string.rep(kind, count), packed, position)}
+    for i = 1, count do
+      out[start + i - 1] = part[i]
+    end
+    position = position + count * width
+  end
+  return out
+end
+
+local function split_blocks(packed)
+  local blocks = {}
+  for start = 1, #packed, 8 do
+    blocks[#blocks + 1] = string.sub(packed, start, start + 7)
+  end
+  return blocks
+end
+
+-- ---------------------------------------------------------------- a node's children (see the layout above)
+-- A container {parent id, records (nil: wide), changed}; writes are collected and flushed once per operation.
+local sets, dels = {}, {}
+
+local function open(parent)
+  if parent == '' then
+    return {parent, nil, false}
+  end
+  local records = redis.call('HGET', KEYS[1], parent)
+  if records == '' then
+    return {parent, nil, false}
+  end
+  return {parent, records or '', false}
+end
+
+local function position(records, block)  -- where block's record starts in records, or nil
+  local start = 1
+  while true do
+    local at = string.find(records, block, start, true)
+    if not at or (at - 1) % RECORD == 0 then
+      return at
+    end
+    start = at + 1
+  end
+end
+
+local function child(container, block)  -- the child's ENTRY, or nil
+  local records = container[2]
+  if records == nil then
+    return redis.call('HGET', KEYS[1], container[1] .. block) or nil
+  end
+  local at = position(records, block)
+  return at and string.sub(records, at + 8, at + RECORD - 1)
+end
+
+local function put(container, block, entry)  -- entry nil: the child goes
+  local records = container[2]
+  if records == nil then
+    if entry then
+      sets[#sets + 1] = container[1] .. block
+      sets[#sets + 1] = entry
+    else
+      dels[#dels + 1] = container[1] .. block
+    end
+    return
+  end
+  local at = position(records, block)
+  if at and entry then
+    records = string.sub(records, 1, at + 7) .. entry .. string.sub(records, at + RECORD)
+  elseif at then
+    records = string.sub(records, 1, at - 1) .. string.sub(records, at + RECORD)
+  elseif entry then
+    records = records .. block .. entry
+  end
+  container[2], container[3] = records, true
+end
+
+local function close(container)  -- a narrow node's records written back; past FANOUT children it turns wide
+  if not container[3] then
+    return
+  end
+  local parent, records = container[1], container[2]
+  if #records == 0 then
+    dels[#dels + 1] = parent
+  elseif #records > FANOUT * RECORD then
+    for at = 1, #records, RECORD do
+      sets[#sets + 1] = parent .. string.sub(records, at, at + 7)
+      sets[#sets + 1] = string.sub(records, at + 8, at + RECORD - 1)
+    end
+    sets[#sets + 1] = parent
+    sets[#sets + 1] = ''
+  else
+    sets[#sets + 1] = parent
+    sets[#sets + 1] = records
+  end
+end
+
+local function flush()  -- sets first: a node that went also loses the fields written for it
+  for start = 1, #sets, 2 * CHUNK do
+    redis.call('HSET', KEYS[1], unpack(sets, start, math.min(start + 2 * CHUNK - 1, #sets)))
+  end
+  for start = 1, #dels, CHUNK do
+    redis.call('HDEL', KEYS[1], unpack(dels, start, math.min(start + CHUNK - 1, #dels)))
+  end
+  sets, dels = {}, {}
+end
+
+-- Take one recorded order (its blocks, concatenated) off the trie: counts down, nodes no request holds go.
+local function release(path)
+  local parent = ''
+  for start = 1, #path, 8 do
+    local block = string.sub(path, start, start + 7)
+    local container = open(parent)
+    local entry = child(container, block)
+    if not entry then
+      break
+    end
+    local id, count, last = struct.unpack(ENTRY, entry)
+    parent = string.sub(entry, 1, 6)
+    if count <= 1 then
+      put(container, block, nil)
+      dels[#dels + 1] = parent  -- its own children field (records or the wide mark) goes with it
+    else
+      put(container, block, struct.pack(ENTRY, id, count - 1, last))
+    end
+    close(container)
+  end
+  flush()
 end
 
 local function evict(id)
-  local path = redis.call('HGET', KEYS[5], id)
+  local path = redis.call('HGET', KEYS[4], id)
   if not path then
     return 0
   end
-  redis.call('HDEL', KEYS[5], id)  -- its entry in the fifo is skipped when it comes out
+  redis.call('HDEL', KEYS[4], id)
+  redis.call('ZREM', KEYS[5], id)
   release(path)
   return 1
 end
 
+-- Count the request's blocks and add the request to their postings (core/online.py: observe). Returns the
+-- request's ordinal, each block's count and first ordinal after it, and its posting (the packed ordinals).
 local function observe(blocks)
   if redis.call('HLEN', KEYS[3]) > max_blocks then  -- bounded: forget the popularity learnt so far
-    redis.call('DEL', KEYS[3], KEYS[4], KEYS[2])
+    redis.call('DEL', KEYS[3])
   end
   local ordinal = redis.call('HINCRBY', KEYS[3], '#seen', 1)
   refresh_now = refresh_now or ordinal == 1
+  local values = hmget(KEYS[3], blocks)
+  local counts, firsts, postings, pairs = {}, {}, {}, {}
+  local own = struct.pack('>I6', ordinal)
   for i = 1, #blocks do
-    redis.call('HINCRBY', KEYS[3], blocks[i], 1)
-    redis.call('HSETNX', KEYS[4], blocks[i], ordinal)
-  end
-  if #blocks > 0 then
-    local stored = redis.call('HMGET', KEYS[2], unpack(blocks))
-    local fields = {}
-    for i = 1, #blocks do
-      local list = {}
-      for value in string.gmatch(stored[i] or '', '[^,]+') do
-        list[#list + 1] = value
+    local count, first, posting = 0, ordinal, ''
+    local value = values[i]
+    if value then
+      count, first = struct.unpack(COUNTS, value)
+      posting = string.sub(value, 13)
+      if #posting >= 6 * posting_length then
+        posting = string.sub(posting, #posting - 6 * (posting_length - 1) + 1)
       end
-      list[#list + 1] = tostring(ordinal)
-      while #list > posting_length do
-        table.remove(list, 1)
-      end
-      local set = {}
-      for j = 1, #list do
-        set[tonumber(list[j])] = true
-      end
-      postings[blocks[i]] = set
-      fields[#fields + 1] = blocks[i]
-      fields[#fields + 1] = table.concat(list, ',')
     end
-    redis.call('HSET', KEYS[2], unpack(fields))
+    posting = posting .. own
+    counts[i], firsts[i], postings[i] = count + 1, first, posting
+    pairs[2 * i - 1] = blocks[i]
+    pairs[2 * i] = struct.pack(COUNTS, count + 1, first) .. posting
   end
-  return ordinal
+  for start = 1, #pairs, 2 * CHUNK do
+    redis.call('HSET', KEYS[3], unpack(pairs, start, math.min(start + 2 * CHUNK - 1, #pairs)))
+  end
+  return ordinal, counts, firsts, postings
+end
+
+-- The children of the node `parent` among the request's blocks not on the path: their entries and block
+-- indices into `entries` / `indices` (reused); returns how many.
+local function children_among(parent, blocks, index_of, on_path, stamp, entries, indices)
+  local records = ''  -- the root is wide
+  if parent ~= '' then
+    records = redis.call('HGET', KEYS[1], parent)  -- false: no children
+  end
+  local found = 0
+  if records == '' then  -- wide (the root, or the mark): one field per child
+    local fields, candidates = {}, {}
+    for i = 1, #blocks do
+      if on_path[i] ~= stamp then
+        candidates[#candidates + 1] = i
+        fields[#fields + 1] = parent .. blocks[i]
+      end
+    end
+    if #fields > 0 then
+      local values = hmget(KEYS[1], fields)
+      for j = 1, #candidates do
+        if values[j] then
+          found = found + 1
+          entries[found], indices[found] = values[j], candidates[j]
+        end
+      end
+    end
+  elseif records and #records < RECORD * #blocks then  -- fewer children than blocks: read each child
+    for at = 1, #records, RECORD do
+      local i = index_of[string.sub(records, at, at + 7)]
+      if i and on_path[i] ~= stamp then
+        found = found + 1
+        entries[found], indices[found] = string.sub(records, at + 8, at + RECORD - 1), i
+      end
+    end
+  elseif records then  -- else look each block up (a plain find, in C)
+    for i = 1, #blocks do
+      if on_path[i] ~= stamp then
+        local at = position(records, blocks[i])
+        if at then
+          found = found + 1
+          entries[found], indices[found] = string.sub(records, at + 8, at + RECORD - 1), i
+        end
+      end
+    end
+  end
+  return found
 end
 
 -- Branch and bound over the recorded paths restricted to the request's blocks (core/online.py: match).
-local function match(blocks, size, clock)
+-- Returns the indices (into blocks) of the best path. A stack entry: {node id, score, size left, block index,
+-- parent entry}; the blocks on an entry's path are found by walking its parents (at most `budget` times).
+local function match(blocks, size, rank)
   local total = 0
   for i = 1, #blocks do
-    total = total + size[blocks[i]]
+    total = total + size[i]
   end
-  local best_score, best_path = 0, {}
-  local stack = {{'', 0, total, {}, {}}}  -- node id, score, size left, path blocks, path set
-  while #stack > 0 and budget > 0 do
-    local entry = table.remove(stack)
-    local node, score, left, path, on_path = entry[1], entry[2], entry[3], entry[4], entry[5]
+  local best_score, best = 0, nil
+  local stack, top = {{'', 0, total, 0, nil}}, 1
+  local on_path, stamp = {}, 0
+  local entries, indices, scores, ranks, ids = {}, {}, {}, {}, {}
+  local index_of = {}
+  for i = 1, #blocks do
+    index_of[blocks[i]] = i
+  end
+  while top > 0 and budget > 0 do
+    local entry = stack[top]
+    stack[top] = nil
+    top = top - 1
+    local node, score, left = entry[1], entry[2], entry[3]
     if score + left > best_score then
       budget = budget - 1
       if score > best_score then
-        best_score, best_path = score, path
+        best_score, best = score, entry
       end
-      local ids, fields, candidates = {}, {}, {}
-      for i = 1, #blocks do
-        if not on_path[blocks[i]] then
-          local id = child_id(node, blocks[i])
-          candidates[#candidates + 1] = blocks[i]
-          ids[#ids + 1] = id
-          fields[#fields + 1] = id
-          fields[#fields + 1] = id .. 't'
+      stamp = stamp + 1
+      local up = entry
+      while up[4] > 0 do
+        on_path[up[4]] = stamp
+        up = up[5]
+      end
+      local kept = 0
+      for j = 1, children_among(node, blocks, index_of, on_path, stamp, entries, indices) do
+        local _, _, last = struct.unpack(ENTRY, entries[j])
+        if last >= since then
+          local i = indices[j]
+          kept = kept + 1
+          scores[kept] = score + size[i] / (1.0 + (clock - last) / scale)
+          ranks[kept], ids[kept] = rank[i], j
         end
       end
-      if #ids > 0 then
-        local values = redis.call('HMGET', KEYS[1], unpack(fields))
-        local scored = {}
-        for i = 1, #ids do
-          local count = values[2 * i - 1]
-          if count and tonumber(count) > 0 then
-            local block = candidates[i]
-            local weight = size[block] / (1.0 + (clock - tonumber(values[2 * i] or '0')) / scale)
-            scored[#scored + 1] = {score + weight, block, ids[i]}
-          end
-        end
-        table.sort(scored, function(a, b)
-          if a[1] ~= b[1] then return a[1] < b[1] end
-          return a[2] < b[2]
-        end)
-        for i = 1, #scored do
-          local block = scored[i][2]
-          local next_path, next_set = {}, {}
-          for j = 1, #path do
-            next_path[j] = path[j]
-            next_set[path[j]] = true
-          end
-          next_path[#next_path + 1] = block
-          next_set[block] = true
-          stack[#stack + 1] = {scored[i][3], scored[i][1], left - size[block], next_path, next_set}
-        end
+      for _, k in ipairs(sorted_by(scores, ranks, kept)) do  -- ascending: the best child is popped first
+        local j = ids[k]
+        local i = indices[j]
+        top = top + 1
+        stack[top] = {string.sub(entries[j], 1, 6), scores[k], left - size[i], i, entry}
       end
     end
   end
-  return best_path
+  local path = {}
+  while best ~= nil and best[4] > 0 do
+    table.insert(path, 1, best[4])
+    best = best[5]
+  end
+  return path
 end
 
 -- The blocks not matched (core/online.py: _extension): the first by size * odds of retrieval, then each by
--- size * (holders that retrieved it + its share of retrievals) / (holders + 1), the holders being the requests
--- that retrieved every block placed so far; once there are none, the rest keep the relevance order.
-local function copy_without(set, own)
-  local out = {}
-  for ordinal in pairs(set) do
-    if ordinal ~= own then
-      out[ordinal] = true
+-- size * (holders that retrieved it + its share of retrievals) / (holders + 1), the holders being the earlier
+-- requests that retrieved every block placed so far; once there are none, the rest keep the relevance order.
+-- A posting becomes a set (ordinal -> true) the first time it is needed.
+local function extension(rest, path, size, counts, firsts, packed, own)
+  local seen = math.max(1, own)
+  local sets = {}
+  local function posting(i)
+    local set = sets[i]
+    if set == nil then
+      set = {}
+      for _, ordinal in ipairs(unpack_all('I6', packed[i], #packed[i] / 6)) do
+        set[ordinal] = true
+      end
+      set[own] = nil
+      sets[i] = set
     end
+    return set
   end
-  return out
-end
-
-local function intersect(a, b)
-  local out = {}
-  for ordinal in pairs(a) do
-    if b[ordinal] then
-      out[ordinal] = true
+  local holders, holder_count = nil, 0
+  local function narrow(i)  -- holders := holders & posting(i) (the first time: the posting itself)
+    local set, kept, count = posting(i), {}, 0
+    if holders == nil then
+      for ordinal in pairs(set) do
+        kept[ordinal], count = true, count + 1
+      end
+    else
+      for ordinal in pairs(holders) do
+        if set[ordinal] then
+          kept[ordinal], count = true, count + 1
+        end
+      end
     end
+    holders, holder_count = kept, count
   end
-  return out
-end
-
-local function extension(rest, size, path, own)
-  local seen = math.max(1, seen_count)
-  local unseen = seen_count + 1
-  local count, first = {}, {}
-  if #rest > 0 then
-    local counts = redis.call('HMGET', KEYS[3], unpack(rest))
-    local firsts = redis.call('HMGET', KEYS[4], unpack(rest))
-    for i = 1, #rest do
-      count[rest[i]] = tonumber(counts[i] or '0')
-      first[rest[i]] = tonumber(firsts[i] or unseen)
-    end
-  end
-  local holders = nil
-  for i = 1, #path do
-    local set = postings[path[i]] or {}
-    holders = holders and intersect(holders, set) or copy_without(set, own)
+  for _, i in ipairs(path) do
+    narrow(i)
   end
   local placed = {}
-  while #rest > 0 do
-    local holder_count = 0
-    if holders ~= nil then
-      for _ in pairs(holders) do
-        holder_count = holder_count + 1
-      end
-      if holder_count == 0 then
-        break  -- no earlier request holds every block placed: the rest keep the relevance order
-      end
-    end
+  while #rest > 0 and (holders == nil or holder_count > 0) do
     local best, best_value, best_first = nil, 0, 0
-    for i = 1, #rest do
-      local block = rest[i]
-      local share = math.min(count[block] / seen, 0.999)
+    for k = 1, #rest do
+      local i = rest[k]
+      local share = math.min(counts[i] / seen, 0.999)
       local value
       if holders == nil then
-        value = size[block] * share / (1.0 - share)
+        value = size[i] * share / (1.0 - share)
       else
-        local n = 0
-        local set = postings[block] or {}
+        local n, set = 0, posting(i)
         for ordinal in pairs(holders) do
           if set[ordinal] then
             n = n + 1
           end
         end
-        value = size[block] * (n + share) / (holder_count + 1.0)
+        value = size[i] * (n + share) / (holder_count + 1.0)
       end
-      if best == nil or value > best_value or (value == best_value and first[block] < best_first) then
-        best, best_value, best_first = i, value, first[block]
+      if best == nil or value > best_value or (value == best_value and firsts[i] < best_first) then
+        best, best_value, best_first = k, value, firsts[i]
       end
     end
-    local block = table.remove(rest, best)
-    placed[#placed + 1] = block
-    local set = postings[block] or {}
-    holders = holders and intersect(holders, set) or copy_without(set, own)
+    local i = table.remove(rest, best)
+    placed[#placed + 1] = i
+    narrow(i)
   end
-  for i = 1, #rest do
-    placed[#placed + 1] = rest[i]
+  for _, i in ipairs(rest) do
+    placed[#placed + 1] = i
   end
   return placed
 end
@@ -233,77 +471,98 @@ local function record(order)
     return 0
   end
   evict(request_id)
-  local clock = redis.call('HINCRBY', KEYS[3], '#clock', 1)
+  clock = clock + 1
   refresh_now = refresh_now or clock == 1
-  local node, ids = '', {}
-  for i = 1, #order do
-    node = child_id(node, order[i])
-    ids[#ids + 1] = node
-    redis.call('HINCRBY', KEYS[1], node, 1)
-    redis.call('HSET', KEYS[1], node .. 't', clock)
-  end
-  redis.call('HSET', KEYS[5], request_id, table.concat(ids, ','))
-  redis.call('RPUSH', KEYS[6], request_id)
-  local forgotten = 0
-  while redis.call('LLEN', KEYS[6]) > max_requests do
-    local oldest = redis.call('LPOP', KEYS[6])
-    local path = redis.call('HGET', KEYS[5], oldest)
-    if path then
-      redis.call('HDEL', KEYS[5], oldest)
-      release(path)
-      forgotten = forgotten + 1
+  local parent, next_id, last_id = '', 0, -1
+  for depth = 1, #order do
+    local block = order[depth]
+    local container, entry
+    if next_id <= last_id then  -- below a new node: nothing yet
+      container = {parent, '', false}
+    else
+      container = open(parent)
+      entry = child(container, block)
     end
+    local id, count = 0, 0
+    if entry then
+      id, count = struct.unpack(ENTRY, entry)
+    else
+      if next_id > last_id then  -- this node and every one below it are new: their ids at once
+        last_id = redis.call('HINCRBY', KEYS[2], '#n', #order - depth + 1)
+        next_id = last_id - (#order - depth)
+      end
+      id, next_id = next_id, next_id + 1
+    end
+    entry = struct.pack(ENTRY, id, count + 1, clock)
+    put(container, block, entry)
+    close(container)
+    parent = string.sub(entry, 1, 6)
+  end
+  flush()
+  redis.call('HSET', KEYS[2], '#clock', clock)
+  redis.call('HSET', KEYS[4], request_id, table.concat(order))
+  redis.call('ZADD', KEYS[5], clock, request_id)
+  local forgotten = 0
+  while redis.call('ZCARD', KEYS[5]) > max_requests do
+    forgotten = forgotten + evict(redis.call('ZRANGE', KEYS[5], 0, 0)[1])
   end
   return forgotten
 end
 
 local function refresh()  -- every key gets the TTL again on one call in 64 (PEXPIRE costs a call per key)
   if ttl > 0 and (refresh_now or math.random(64) == 1) then
-    for i = 1, 6 do
+    for i = 1, 5 do
       redis.call('PEXPIRE', KEYS[i], ttl)
     end
+  end
+end
+
+if gap == 'reset' then
+  distrust(server_ms())
+elseif gap ~= '' then
+  local now = server_ms()
+  if tonumber(redis.call('HGET', KEYS[2], '#gap_ms') or '-1') < now - tonumber(gap) - GAP_SLACK_MS then
+    distrust(now)
   end
 end
 
 local result
 if mode == 'evict' then
   result = 0
-  for i = FIRST_ARG, #ARGV do
+  for i = FIRST_BLOCK, #ARGV do
     result = result + evict(ARGV[i])
   end
 elseif mode == 'record' then
-  local order = {}
-  for i = FIRST_ARG, #ARGV do
-    order[#order + 1] = ARGV[i]
-  end
-  result = record(order)
-else
-  local blocks, size = {}, {}
-  for i = FIRST_ARG, #ARGV - 1, 2 do
-    blocks[#blocks + 1] = ARGV[i]
-    size[ARGV[i]] = tonumber(ARGV[i + 1])
-  end
-  seen_count = observe(blocks)
-  local clock = tonumber(redis.call('HGET', KEYS[3], '#clock') or '0')
-  local path = match(blocks, size, clock)
+  result = record(split_blocks(ARGV[FIRST_BLOCK]))
+elseif mode == 'order' or mode == 'both' then
+  local blocks = split_blocks(ARGV[FIRST_BLOCK])
+  local size = unpack_all('d', ARGV[FIRST_BLOCK + 1], #blocks)
+  local rank = unpack_all('I4', ARGV[FIRST_BLOCK + 2], #blocks)
+  local own, counts, firsts, postings = observe(blocks)
+  local path = match(blocks, size, rank)
   local placed = {}
-  for i = 1, #path do
-    placed[path[i]] = true
+  for _, i in ipairs(path) do
+    placed[i] = true
   end
   local rest = {}
   for i = 1, #blocks do
-    if not placed[blocks[i]] then
-      rest[#rest + 1] = blocks[i]
+    if not placed[i] then
+      rest[#rest + 1] = i
     end
   end
-  local order = path
-  for _, block in ipairs(extension(rest, size, path, seen_count)) do
-    order[#order + 1] = block
+  local order = {}
+  for _, i in ipairs(path) do
+    order[#order + 1] = blocks[i]
+  end
+  for _, i in ipairs(extension(rest, path, size, counts, firsts, postings, own)) do
+    order[#order + 1] = blocks[i]
   end
   if mode == 'both' then
     record(order)
   end
   result = order
+else
+  return redis.error_reply('decide.lua: unknown mode ' .. tostring(mode))
 end
 refresh()
 return result

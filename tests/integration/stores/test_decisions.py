@@ -65,14 +65,33 @@ def test_two_facades_on_one_redis_decide_as_one_and_a_new_one_resumes(prefix):
     client.close()
 
 
-def test_the_lua_orderer_gives_the_python_orderer_s_orders(prefix):
+def _with_limits(store: RedisSessionStore, **limits) -> RedisSessionStore:
+    store._decisions = type(store._decisions)(store._decisions.keys, DecisionLimits(**limits))
+    return store
+
+
+def _draw(rng: random.Random, topical: bool) -> list[int]:
+    """A request's documents: any 1-8 of 40, or (topical) mostly from one of 5 overlapping topics of 10, so the
+    co-occurrence extension has similar earlier requests to follow."""
+    if not topical:
+        return rng.sample(range(40), rng.randint(1, 8))
+    topic = rng.randrange(5)
+    ids = rng.sample(range(topic * 6, topic * 6 + 10), rng.randint(2, 7))
+    return list(dict.fromkeys(ids + ([rng.randrange(40)] if rng.random() < 0.3 else [])))
+
+
+# fanout 2: nodes turn wide (one field per child) and keep narrow children; equal sizes: ties everywhere
+@pytest.mark.parametrize(("fanout", "topical", "equal"),
+                         [(128, False, False), (2, False, False), (128, True, False), (2, True, True)])
+def test_the_lua_orderer_gives_the_python_orderer_s_orders(prefix, fanout, topical, equal):
     rng = random.Random(5)
-    store = RedisSessionStore.from_url(redis_url(), RedisStoreConfig(prefix=prefix))
-    local = OnlineOrderer()
-    for number in range(120):
-        ids = rng.sample(range(40), rng.randint(1, 8))
+    store = _with_limits(RedisSessionStore.from_url(redis_url(), RedisStoreConfig(prefix=prefix)), fanout=fanout,
+                         max_requests=60)
+    local = OnlineOrderer(max_requests=60)
+    for number in range(300):
+        ids = _draw(rng, topical)
         keys = [f"k{i:02d}" for i in ids]
-        sizes = [float(len(TEXTS[i]) + 1) for i in ids]
+        sizes = [10.0 if equal else float(len(TEXTS[i]) + 1) for i in ids]
         local.observe(keys)
         expected = local.order(keys, sizes)
         local.record(expected, f"r{number}")
@@ -80,9 +99,27 @@ def test_the_lua_orderer_gives_the_python_orderer_s_orders(prefix):
         if number % 7 == 3:
             local.evict(f"r{number - 2}")
             store.evict_decisions("t", [f"r{number - 2}"])
+    store.check_decisions("t")
+    recorded = list(local._paths)
+    local_nodes = _trie_nodes(local)
+    assert store.evict_decisions("t", recorded) == len(recorded)
+    client = redis.Redis.from_url(redis_url())
+    trie = store.key_scheme.decision_keys("t")[0]
+    assert local_nodes > 10 and client.hlen(trie) == 0  # every node and children field went with the last request
+    client.close()
 
 
-def test_a_request_costs_two_round_trips_in_all(prefix):
+def _trie_nodes(orderer: OnlineOrderer) -> int:
+    stack, count = list(orderer._root.children.values()), 0
+    while stack:
+        node = stack.pop()
+        count += 1
+        stack.extend(node.children.values())
+    return count
+
+
+@pytest.mark.parametrize("direct", [True, False])  # False: through redis-py's pipeline (no SCRIPT EXISTS first)
+def test_a_request_costs_two_round_trips_in_all(prefix, direct):
     sends = []
 
     class Counting(redis.Connection):
@@ -91,18 +128,65 @@ def test_a_request_costs_two_round_trips_in_all(prefix):
             super().send_packed_command(command, check_health)
 
     pool = redis.ConnectionPool.from_url(redis_url(), connection_class=Counting)
-    memory = CpMemory(store=RedisSessionStore(redis.Redis(connection_pool=pool), RedisStoreConfig(prefix=prefix)))
+    store = RedisSessionStore(redis.Redis(connection_pool=pool), RedisStoreConfig(prefix=prefix), direct=direct)
+    memory = CpMemory(store=store)
     memory.commit(memory.prepare("warm", "q", blocks(1, 2)), "a")  # the scripts are loaded once per server
     sends.clear()
     turn = memory.prepare("c", "q", blocks(4, 5, 6))
-    assert len(sends) == 1
+    assert len(sends) == 1 and turn.prompt_order and not turn.degraded
     memory.commit(turn, "a")
     assert len(sends) == 2
 
 
+def test_an_asyncio_request_costs_two_round_trips_in_all(prefix):
+    import redis.asyncio as aioredis
+
+    sends = []
+
+    class Counting(aioredis.Connection):
+        async def send_packed_command(self, command, check_health=True):
+            sends.append(1)
+            await super().send_packed_command(command, check_health)
+
+    async def run():
+        pool = aioredis.ConnectionPool.from_url(redis_url(), connection_class=Counting)
+        store = AsyncRedisSessionStore(aioredis.Redis(connection_pool=pool), RedisStoreConfig(prefix=prefix))
+        memory = AsyncCpMemory(store=store)
+        await memory.commit(await memory.prepare("warm", "q", blocks(1, 2)), "a")
+        sends.clear()
+        turn = await memory.prepare("c", "q", blocks(4, 5, 6))
+        prepared = len(sends)
+        await memory.commit(turn, "a")
+        await store.close()
+        return prepared, len(sends), memory.counters.snapshot()["fallbacks"]
+
+    assert asyncio.run(run()) == (1, 2, 0)
+
+
+@pytest.mark.cluster
+def test_facades_on_a_cluster_decide_as_one(redis_cluster):
+    config = RedisStoreConfig(prefix=f"cpmtest-dec-{uuid.uuid4().hex[:8]}")
+    first = CpMemory(store=RedisSessionStore.from_url(redis_cluster.url, config, cluster=True))
+    second = CpMemory(store=RedisSessionStore.from_url(redis_cluster.url, config, cluster=True))
+    turn = first.prepare("a", "q", blocks(3, 1, 2), prompt_order=["3", "1", "2"])
+    first.commit(turn, "x")
+    other = second.prepare("b", "q", blocks(1, 2, 3))
+    assert other.prompt_order == ["3", "1", "2"] and not other.degraded  # the shared order, across nodes
+
+    async def run():
+        memory = AsyncCpMemory(store=AsyncRedisSessionStore.from_url(redis_cluster.url, config, cluster=True))
+        again = await memory.prepare("c", "q", blocks(2, 3, 1))
+        await memory.commit(again, "x")
+        await memory.store.close()
+        return again
+
+    again = asyncio.run(run())
+    assert again.prompt_order == ["3", "1", "2"] and not again.degraded
+    assert first.counters.snapshot()["fallbacks"] == second.counters.snapshot()["fallbacks"] == 0
+
+
 def test_evictions_and_the_bound_take_requests_off_the_shared_state(prefix):
-    store = RedisSessionStore.from_url(redis_url(), RedisStoreConfig(prefix=prefix))
-    store._decisions = type(store._decisions)(store._decisions.keys, DecisionLimits(max_requests=2))
+    store = _with_limits(RedisSessionStore.from_url(redis_url(), RedisStoreConfig(prefix=prefix)), max_requests=2)
     store.decide_order("t", ["a", "b"], [1.0, 1.0], "r1")
     assert store.decide_order("t", ["b", "a", "z"], [1.0, 1.0, 1.0], "")[:2] == ["a", "b"]
     assert store.evict_decisions("t", ["r1"]) == 1 and store.evict_decisions("t", ["r1"]) == 0
@@ -111,7 +195,7 @@ def test_evictions_and_the_bound_take_requests_off_the_shared_state(prefix):
     assert not counts  # every node of the evicted path is gone
     for number in range(5):
         store.decide_order("t", [f"x{number}"], [1.0], f"q{number}")
-    assert client.hlen(store.key_scheme.decision_keys("t")[4]) == 2  # only the last max_requests are kept
+    assert client.hlen(store.key_scheme.decision_keys("t")[3]) == 2  # only the last max_requests are kept
     client.close()
 
 

@@ -27,7 +27,8 @@ def test_workload_overlaps_across_turns_and_is_deterministic() -> None:
 @pytest.mark.cluster
 def test_bench_store_json_rows(real_redis: str) -> None:
     result = CliRunner().invoke(app, ["bench", "store", "--conversations", "3", "--turns", "2",
-                                      "--facade-conversations", "1", "--redis-url", real_redis, "--json"])
+                                      "--facade-conversations", "2", "--shared-state", "300",
+                                      "--redis-url", real_redis, "--json"])
     assert result.exit_code == 0, result.output
     summary = json.loads(result.stdout.strip().splitlines()[-1])
     rows = summary["results"]
@@ -43,3 +44,13 @@ def test_bench_store_json_rows(real_redis: str) -> None:
     fractions = {row["seen_fraction"] for row in rows.values() if "skipped" not in row}
     assert len(fractions) == 1 and 0 < fractions.pop() < 1  # every store saw the same blocks as already shown
     assert (rows["redis"]["round_trips_per_prepare"], rows["redis"]["round_trips_per_commit"]) == (1.0, 1.0)
+    for name in ("redis", "cluster"):
+        row = rows[name]
+        if "skipped" in row:
+            continue
+        assert row["shared_state_requests"] == 300 and row["facade_requests"] == 4 and row["facade_fallbacks"] == 0
+        assert row["facade_prepare_p50_ms"] > 0 and row["facade_prepare_p99_ms"] >= row["facade_prepare_p50_ms"]
+        assert 300 * 100 < row["tenant_memory_bytes"] < 300 * 10_000  # about 1 KB per recorded order
+        assert row["decision_max_requests"] == 100_000
+    assert rows["redis"]["facade_round_trips_per_request"] == 2.0  # prepare + commit, on the socket
+    assert rows["memory"]["facade_fallbacks"] == 0 and rows["memory"]["shared_state_requests"] == 0

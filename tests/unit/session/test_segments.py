@@ -1,9 +1,14 @@
-"""The cached segment index: extended incrementally, limited to what a request sends, rebuilt when stale."""
+"""The cached segment index and history text: extended incrementally, limited to what a request sends, rebuilt
+when stale."""
 
 from __future__ import annotations
 
+from hypothesis import given
+from hypothesis import strategies as st
+
 from cpmemory.core.annotations import build_user_message, format_block
 from cpmemory.core.blocks import Block
+from cpmemory.core.dedup import GivenHistory
 from cpmemory.session.segments import SegmentCache
 from cpmemory.types import ConversationKey
 
@@ -61,3 +66,23 @@ def test_edited_history_is_reindexed() -> None:
     edited = user_turn("Charlie sentence that is certainly long enough.") + original[2:]
     view = cache.for_history(KEY, edited)
     assert view.holder(SENTENCE_A) is None and view.holder(SENTENCE_B) is not None
+
+
+_PIECES = st.sampled_from(["[D1234567]", "[D1234567]\n", "[D89abcdef0123]\nx", "text", "\n", "[D7654321] is shown",
+                           "]", "[", "[Dabcdef1]\nblock body", ""])
+_MESSAGES = st.lists(st.lists(_PIECES, max_size=4).map("".join), min_size=1, max_size=6)
+
+
+@given(_MESSAGES, st.integers(min_value=0, max_value=6))
+def test_cached_history_text_is_the_joined_history(contents: list[str], first: int) -> None:
+    """Grown in two steps (as turns arrive), the cached text and headers equal a fresh GivenHistory's."""
+    history = [{"role": "user" if n % 2 == 0 else "assistant", "content": text} for n, text in enumerate(contents)]
+    cache = SegmentCache()
+    key = ConversationKey("t", "c")
+    for upto in (min(first, len(history)), len(history)):
+        part = history[:upto]
+        cache.for_history(key, part)
+        cached = cache.given_history(key, part, 7, 12)
+        fresh = GivenHistory.from_messages(part)
+        assert cached.text == fresh.text
+        assert {k: list(v) for k, v in cached._headers.items()} == {k: list(v) for k, v in fresh._headers.items()}
