@@ -291,9 +291,11 @@ local function observe(blocks)
   return ordinal, counts, firsts, postings
 end
 
--- The children of the node `parent` among the request's blocks not on the path: their entries and block
--- indices into `entries` / `indices` (reused); returns how many.
-local function children_among(parent, blocks, index_of, on_path, stamp, entries, indices)
+-- The children of the node `parent` among the request's blocks not on its path (block i is on the path of the
+-- node at `depth` when path_at[depth_of[i]] == i with depth_of[i] <= depth): their entries and block indices
+-- into `entries` / `indices` (reused); returns how many.
+local function children_among(parent, blocks, index_of, path, entries, indices)
+  local depth_of, path_at, depth = path[1], path[2], path[3]
   local records = ''  -- the root is wide
   if parent ~= '' then
     records = redis.call('HGET', KEYS[1], parent)  -- false: no children
@@ -302,7 +304,8 @@ local function children_among(parent, blocks, index_of, on_path, stamp, entries,
   if records == '' then  -- wide (the root, or the mark): one field per child
     local fields, candidates = {}, {}
     for i = 1, #blocks do
-      if on_path[i] ~= stamp then
+      local at = depth_of[i]
+      if at == nil or at > depth or path_at[at] ~= i then
         candidates[#candidates + 1] = i
         fields[#fields + 1] = parent .. blocks[i]
       end
@@ -319,14 +322,16 @@ local function children_among(parent, blocks, index_of, on_path, stamp, entries,
   elseif records and #records < RECORD * #blocks then  -- fewer children than blocks: read each child
     for at = 1, #records, RECORD do
       local i = index_of[string.sub(records, at, at + 7)]
-      if i and on_path[i] ~= stamp then
+      local placed = i and depth_of[i]
+      if i and (placed == nil or placed > depth or path_at[placed] ~= i) then
         found = found + 1
         entries[found], indices[found] = string.sub(records, at + 8, at + RECORD - 1), i
       end
     end
   elseif records then  -- else look each block up (a plain find, in C)
     for i = 1, #blocks do
-      if on_path[i] ~= stamp then
+      local at = depth_of[i]
+      if at == nil or at > depth or path_at[at] ~= i then
         local at = position(records, blocks[i])
         if at then
           found = found + 1
@@ -347,8 +352,9 @@ local function match(blocks, size, rank)
     total = total + size[i]
   end
   local best_score, best = 0, nil
-  local stack, top = {{'', 0, total, 0, nil}}, 1
-  local on_path, stamp = {}, 0
+  local stack, top = {{'', 0, total, 0, nil, 0}}, 1  -- node id, score, size left, block, parent entry, depth
+  local depth_of, path_at = {}, {}
+  local path = {depth_of, path_at, 0}
   local entries, indices, scores, ranks, ids = {}, {}, {}, {}, {}
   local index_of = {}
   for i = 1, #blocks do
@@ -364,14 +370,13 @@ local function match(blocks, size, rank)
       if score > best_score then
         best_score, best = score, entry
       end
-      stamp = stamp + 1
-      local up = entry
-      while up[4] > 0 do
-        on_path[up[4]] = stamp
-        up = up[5]
+      local depth = entry[6]
+      if depth > 0 then  -- the stack is depth first: the path above this node is path_at[1 .. depth - 1]
+        path_at[depth], depth_of[entry[4]] = entry[4], depth
       end
+      path[3] = depth
       local kept = 0
-      for j = 1, children_among(node, blocks, index_of, on_path, stamp, entries, indices) do
+      for j = 1, children_among(node, blocks, index_of, path, entries, indices) do
         local _, _, last = struct.unpack(ENTRY, entries[j])
         if last >= since then
           local i = indices[j]
@@ -384,7 +389,7 @@ local function match(blocks, size, rank)
         local j = ids[k]
         local i = indices[j]
         top = top + 1
-        stack[top] = {string.sub(entries[j], 1, 6), scores[k], left - size[i], i, entry}
+        stack[top] = {string.sub(entries[j], 1, 6), scores[k], left - size[i], i, entry, depth + 1}
       end
     end
   end
@@ -399,34 +404,44 @@ end
 -- The blocks not matched (core/online.py: _extension): the first by size * odds of retrieval, then each by
 -- size * (holders that retrieved it + its share of retrievals) / (holders + 1), the holders being the earlier
 -- requests that retrieved every block placed so far; once there are none, the rest keep the relevance order.
--- A posting becomes a set (ordinal -> true) the first time it is needed.
+-- A posting is decoded (one struct.unpack) the first time it is needed; holders are a set (ordinal -> true).
+local I6 = {}
+local function posting_format(m)
+  local format = I6[m]
+  if format == nil then
+    format = '>' .. string.rep('I6', m)
+    I6[m] = format
+  end
+  return format
+end
+
 local function extension(rest, path, size, counts, firsts, packed, own)
   local seen = math.max(1, own)
-  local sets = {}
-  local function posting(i)
-    local set = sets[i]
-    if set == nil then
-      set = {}
-      for _, ordinal in ipairs(unpack_all('I6', packed[i], #packed[i] / 6)) do
-        set[ordinal] = true
+  local lists = {}
+  local function posting(i)  -- the earlier requests that retrieved block i (its own request left out)
+    local list = lists[i]
+    if list == nil then
+      list = {}
+      local m = #packed[i] / 6
+      if m > 0 then
+        local values = {struct.unpack(posting_format(m), packed[i])}
+        for k = 1, m do
+          if values[k] ~= own then
+            list[#list + 1] = values[k]
+          end
+        end
       end
-      set[own] = nil
-      sets[i] = set
+      lists[i] = list
     end
-    return set
+    return list
   end
   local holders, holder_count = nil, 0
   local function narrow(i)  -- holders := holders & posting(i) (the first time: the posting itself)
-    local set, kept, count = posting(i), {}, 0
-    if holders == nil then
-      for ordinal in pairs(set) do
+    local kept, count, list = {}, 0, posting(i)
+    for k = 1, #list do
+      local ordinal = list[k]
+      if holders == nil or holders[ordinal] then
         kept[ordinal], count = true, count + 1
-      end
-    else
-      for ordinal in pairs(holders) do
-        if set[ordinal] then
-          kept[ordinal], count = true, count + 1
-        end
       end
     end
     holders, holder_count = kept, count
@@ -444,9 +459,9 @@ local function extension(rest, path, size, counts, firsts, packed, own)
       if holders == nil then
         value = size[i] * share / (1.0 - share)
       else
-        local n, set = 0, posting(i)
-        for ordinal in pairs(holders) do
-          if set[ordinal] then
+        local n, list = 0, posting(i)
+        for j = 1, #list do
+          if holders[list[j]] then
             n = n + 1
           end
         end
