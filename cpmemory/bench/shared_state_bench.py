@@ -3,7 +3,7 @@
 What it measures, per Redis backend (standalone or cluster):
 
 1. **fill**: ``shared_state_requests`` (``--shared-state``, default 100,000) requests are ordered and recorded in one
-   tenant's shared decision state (``decide.lua`` in ``both`` mode, as ``order_blocks`` does), pipelined 500 at a
+   tenant's shared decision state (ordered, then recorded, as ``order_blocks`` does), pipelined 200 at a
    time. Each fill request is 15 blocks of one conversation topic of the workload's corpus (its first turns), so
    the trie is the one the online orderer builds from such traffic. A rich progress bar shows it (stderr).
 2. **facade**: ``CpMemory(store=RedisSessionStore(...))``, on the same tenant, serves the workload's first
@@ -26,7 +26,7 @@ from typing import Any
 
 from cpmemory.bench.store_bench import BLOCKS_PER_TURN, Workload
 
-FILL_BATCH = 500
+FILL_BATCH = 200
 
 
 def _tenant_node(store: Any, tenant: str, cluster: bool) -> Any:
@@ -43,7 +43,9 @@ def _tenant_node(store: Any, tenant: str, cluster: bool) -> Any:
 def fill_shared_state(store: Any, workload: Workload, requests: int, cluster: bool = False, seed: int = 0) -> float:
     """Record ``requests`` orders in the workload tenant's shared decision state; returns the seconds it took.
 
-    Pipelined ``FILL_BATCH`` calls per round trip (the decision script in ``both`` mode: observe, order, record).
+    Per batch of ``FILL_BATCH`` requests, two pipelines: the ``order`` calls (observe + match), then the ``record``
+    calls of the orders decided (so a batch's requests do not see each other's records, as with concurrent
+    workers).
     """
     from cpmemory.bench.report import progress_bar
 
@@ -59,11 +61,17 @@ def fill_shared_state(store: Any, workload: Workload, requests: int, cluster: bo
         for start in range(0, requests, FILL_BATCH):
             pipe = client.pipeline(transaction=False)
             count = min(FILL_BATCH, requests - start)
-            for number in range(start, start + count):
+            orders = []
+            for _ in range(count):
                 blocks = rng.sample(topics[rng.randrange(len(topics))], BLOCKS_PER_TURN)
-                call = codec.order_call(workload.tenant, [block.digest for block in blocks],
-                                        [float(len(block.text) + 1) for block in blocks], f"fill-{number}",
-                                        record=True).call
+                order = codec.order_call(workload.tenant, [block.digest for block in blocks],
+                                         [float(len(block.text) + 1) for block in blocks])
+                orders.append(order)
+                pipe.evalsha(sha, len(order.call.keys), *order.call.keys, *order.call.args)
+            replies = pipe.execute()
+            pipe = client.pipeline(transaction=False)
+            for number, (order, reply) in enumerate(zip(orders, replies), start):
+                call = codec.record_call(workload.tenant, order.parse(reply), f"fill-{number}")
                 pipe.evalsha(sha, len(call.keys), *call.keys, *call.args)
             pipe.execute()
             advance(count)

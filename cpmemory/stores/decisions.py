@@ -1,10 +1,12 @@
 """A tenant's shared decision state in Redis: the online orderer (``cpmemory.core.online``) run by ``decide.lua``.
 
 When the facade's store is Redis, what decides block orders lives there, under the store's prefix and one hash tag
-per tenant (``P:{T}:ord2:*``, see :meth:`cpmemory.stores.keys.KeyScheme.decision_keys`): K facades on one Redis and
+per tenant (``P:{T}:ord3:*``, see :meth:`cpmemory.stores.keys.KeyScheme.decision_keys`): K facades on one Redis and
 prefix decide as one, and a restarted process resumes. The calls ride in the same round trip as the session state:
-``reserve`` pipelines the ``order`` call (observe + order), ``commit`` pipelines the ``record`` call (the order
-sent and its request id), so a request costs 2 round trips in all.
+``reserve`` pipelines the ``order`` call (observe + match), ``commit`` pipelines the ``record`` call (the order
+sent and its request id), so a request costs 2 round trips in all. The script returns the matched path and the
+request's counts and postings; the rest of the order (the co-occurrence extension) is computed here by the
+orderer's own code (:meth:`cpmemory.core.online.OnlineOrderer._extension`), so Lua mirrors only the trie.
 
 Blocks travel as 8-byte keys (:func:`block_key`, a blake2b digest of the caller's key) and each trie node is one
 hash field of 14 bytes (its parent's 6-byte id and its block) holding 16 bytes (its id, count, last use): the
@@ -26,8 +28,9 @@ import hashlib
 import struct
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from cpmemory.stores.keys import KeyScheme
 from cpmemory.stores.redis_codec import ScriptCall
@@ -61,15 +64,46 @@ def block_key(key: str) -> bytes:
 
 @dataclass(frozen=True, slots=True)
 class OrderCall:
-    """An ``order`` / ``both`` script call and what decodes its reply (8-byte keys -> the caller's keys)."""
+    """An ``order`` script call and what turns its reply into the order (8-byte keys -> the caller's keys)."""
 
     call: ScriptCall
     keys_of: dict[bytes, str]
+    sizes: tuple[float, ...]
 
-    def parse(self, reply: Sequence[bytes]) -> tuple[str, ...]:
-        """The order returned, in the caller's keys (a key the reply does not name is left to the caller)."""
+    def parse(self, reply: Sequence[Any]) -> tuple[str, ...]:
+        """The order: the matched path, then the extension (:func:`extend_order`) of the other blocks."""
         keys_of = self.keys_of
-        return tuple(keys_of[value] for value in reply if value in keys_of)
+        keys = list(keys_of.values())
+        own, path_blocks, values = int(reply[0]), bytes(reply[1]), reply[2:]
+        path = [keys_of[path_blocks[at : at + 8]] for at in range(0, len(path_blocks), 8)]
+        return tuple(extend_order(keys, self.sizes, path, values, own))
+
+
+def extend_order(keys: Sequence[str], sizes: Sequence[float], path: Sequence[str], values: Sequence[bytes],
+                 own: int) -> list[str]:
+    """``path`` then the other ``keys`` in the online orderer's extension order, from each key's packed freq value
+    after the request was observed (count, first ordinal, posting; ``decide.lua``). Runs
+    ``OnlineOrderer._extension`` itself on an orderer holding just these counts, so the rule is the Python one.
+    Pure; O(k^2 * posting)."""
+    from collections import Counter
+
+    from cpmemory.core.online import OnlineOrderer
+
+    frequency: Counter[Hashable] = Counter()
+    first: dict[Hashable, int] = {}
+    postings: dict[Hashable, tuple[int, ...]] = {}
+    unpack, from_bytes = struct.unpack, int.from_bytes
+    for key, value in zip(keys, values):
+        frequency[key] = from_bytes(value[:6], "big")
+        first[key] = from_bytes(value[6:12], "big")
+        postings[key] = unpack(f">{(len(value) - 12) // 4}I", value[12:])  # ordinals modulo 2^32
+    view = OnlineOrderer()
+    view._frequency, view._first_seen, view._requests_seen = frequency, first, own
+    view._postings = postings  # type: ignore[assignment] # read only: tuples serve as the lists do
+    placed = set(path)
+    size: dict[Hashable, float] = dict(zip(keys, sizes))
+    rest: list[Hashable] = [key for key in keys if key not in placed]
+    return list(path) + [str(key) for key in view._extension(rest, size, path, own % 2**32)]
 
 
 class DecisionCodec:
@@ -87,9 +121,8 @@ class DecisionCodec:
         return (mode, *self._head, request_id, limits.match_budget, repr(limits.recency_scale), gap, limits.fanout,
                 limits.posting_length)
 
-    def order_call(self, tenant: str, hashes: Sequence[str], sizes: Sequence[float], request_id: str = "",
-                   record: bool = False, gap: str = "") -> OrderCall:
-        """Observe and order a request's distinct ``hashes`` (recorded at once as ``request_id`` when ``record``).
+    def order_call(self, tenant: str, hashes: Sequence[str], sizes: Sequence[float], gap: str = "") -> OrderCall:
+        """Observe and match a request's distinct ``hashes`` (``OrderCall.parse`` completes the order).
 
         The blocks travel concatenated, with their sizes and their ranks among the request's keys in string order
         (the match breaks ties by the key, as the Python orderer does) packed as binary structs: the script then
@@ -110,9 +143,8 @@ class DecisionCodec:
         blocks = b"".join(compacts)
         packed_sizes = struct.pack(f">{count}d", *kept)
         ranks = struct.pack(f">{count}I", *rank.values())
-        mode = "both" if record else "order"
-        args = (*self._args(mode, request_id, gap), blocks, packed_sizes, ranks)
-        return OrderCall(ScriptCall(DECISION_SCRIPT, self.keys.decision_keys(tenant), args), keys_of)
+        args = (*self._args("order", "", gap), blocks, packed_sizes, ranks)
+        return OrderCall(ScriptCall(DECISION_SCRIPT, self.keys.decision_keys(tenant), args), keys_of, tuple(kept))
 
     def record_call(self, tenant: str, order: Sequence[str], request_id: str, gap: str = "") -> ScriptCall:
         """Record that ``order`` was sent as ``request_id``."""

@@ -12,7 +12,7 @@ conversation id)::
     P:{T:C}:paths    list   search path of each stored turn (JSON)
     P:{T:C}:res      zset   open reservation id -> deadline (server ms)
     P:{T:C}:done     zset   committed reservation id -> turn; "x:<id>" -> turn at expiry (expired marker)
-    P:{T}:ord2:*     one tenant's shared decision state (the online orderer's trie and counts; see decide.lua)
+    P:{T}:ord3:*     one tenant's shared decision state (the online orderer's trie and counts; see decide.lua)
 
 Seen blocks, ids and the counters share one hash so that ``reserve`` reads all it needs with one ``HMGET``
 (every ``redis.call`` in a script costs a few microseconds). The ``{T:C}`` hash tag puts every key of one conversation in one Redis Cluster slot, so each Lua script touches a
@@ -96,8 +96,8 @@ class KeyScheme:
 
     def decision_keys(self, tenant: str) -> tuple[str, ...]:
         """The keys of one tenant's shared decision state (``decide.lua``'s ``KEYS``), one hash tag per tenant:
-        ``P:{T}:ord2:trie|meta|freq|reqs|fifo`` (``ord2``: the layout of decide.lua's packed trie). Pure."""
-        base = f"{self.prefix}:{{{_digest(b'cpm-tenant', tenant)}}}:ord2:"
+        ``P:{T}:ord3:trie|meta|freq|reqs|fifo`` (``ord3``: the version of decide.lua's layout). Pure."""
+        base = f"{self.prefix}:{{{_digest(b'cpm-tenant', tenant)}}}:ord3:"
         return tuple(base + name for name in DECISION_FIELDS)
 
     def pattern(self) -> str:

@@ -180,12 +180,15 @@ class RedisSessionStore(_RedisStoreBase):
         return self._codec.parse_commit(reply, reservation_id)
 
     def decide_order(self, tenant: str, hashes: Sequence[str], sizes: Sequence[float], request_id: str) -> list[str]:
-        """Order and record a request outside any conversation in the tenant's shared state. One round trip."""
+        """Order and record a request outside any conversation in the tenant's shared state. Two round trips
+        (order, then record the order; another worker's request may land between them, as with two turns)."""
         gap = self._gaps.argument(tenant)
-        order = self._decisions.order_call(tenant, hashes, sizes, request_id, record=True, gap=gap)
-        reply = self._run(order.call)
+        order = self._decisions.order_call(tenant, hashes, sizes, gap=gap)
+        decided = list(order.parse(self._run(order.call)))
         self._gaps.reported(tenant, gap)
-        return list(order.parse(reply))
+        if request_id and decided:
+            self._run(self._decisions.record_call(tenant, decided, request_id))
+        return decided
 
     def evict_decisions(self, tenant: str, request_ids: Sequence[str]) -> int:
         """Take evicted requests off the tenant's shared decision state. One round trip."""

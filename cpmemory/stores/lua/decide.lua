@@ -1,4 +1,7 @@
--- decide.lua: a tenant's online order state (cpmemory/core/online.py, the same rules), shared by every worker.
+-- decide.lua: a tenant's online order state (cpmemory/core/online.py), shared by every worker. The script keeps
+-- the trie and the counts and runs observe and the match (the same rules as the Python orderer); the extension of
+-- the order past the match runs in Python (cpmemory/stores/decisions.py: the orderer's own code) on the counts and
+-- postings this script returns.
 -- Blocks are 8-byte keys (cpmemory/stores/decisions.py: block_key); a trie node is an ENTRY (its 6-byte id,
 -- requests recorded through it, clock of its last use) kept by its parent, in one of two shapes:
 --   wide (the root, and a node with more than FANOUT children): one field per child, parent id .. block -> ENTRY
@@ -9,24 +12,26 @@
 --                       last used before it are ignored by the match: a gap), '#gap_ms' server time of the last gap
 -- KEYS[3] freq  (hash)  block -> struct '>I6I6' (retrieval count, the '#seen' ordinal of the request that first
 --                       retrieved it) then its posting: the ordinals of the last ARGV[10] requests that retrieved it
---                       ('>I6' each, oldest first); '#seen' requests observed
+--                       ('>I4' each, modulo 2^32: a posting is only compared for equality; oldest first);
+--                       '#seen' requests observed
 -- KEYS[4] reqs  (hash)  request id -> the blocks of its recorded order (8 bytes each)
 -- KEYS[5] fifo  (zset)  recorded request id -> the clock of its record (the oldest is forgotten first)
 -- (one tenant hash tag: every key in one cluster slot)
--- ARGV[1] mode: "order" (observe + order), "record", "both" (order + record), "evict"
+-- ARGV[1] mode: "order" (observe + match), "record", "evict"
 -- ARGV[2] TTL of the state in ms (0 none)     ARGV[3] max recorded requests     ARGV[4] max blocks counted
--- ARGV[5] request id (record / both; "" none)  ARGV[6] match budget   ARGV[7] recency scale
+-- ARGV[5] request id (record; "" none)  ARGV[6] match budget   ARGV[7] recency scale
 -- ARGV[8] gap: "" none; "reset" distrust every node now (the engine's cache was cleared); N: a call of this
 --         worker failed N ms ago (distrust every node now, unless a gap was taken since then, less GAP_SLACK_MS)
 -- ARGV[9] FANOUT: the most children a narrow node holds   ARGV[10] requests kept per block posting
--- ARGV[11 ..] order / both: the request's distinct blocks in relevance order (concatenated), their sizes (struct
+-- ARGV[11 ..] order: the request's distinct blocks in relevance order (concatenated), their sizes (struct
 --            '>d' each) and ranks (struct '>I4' each: the place of the caller's key among the request's keys in
 --            string order, the match's tie-break);  record: the blocks in the order sent (concatenated);
 --            evict: request ids
--- Returns the order (order / both), the number of ids forgotten (record), or the number evicted (evict).
+-- Returns, for order: {the request's ordinal, the matched path (blocks concatenated), then each block's freq value
+-- after observe (relevance order)}; for record the number of ids forgotten; for evict the number evicted.
 -- Cost: the match expands at most ARGV[6] nodes: a narrow one is one HGET and a plain string.find per request
--- block, a wide one one HMGET; observe (counts and postings) is 4 calls; the extension intersects postings in Lua
--- (no call); record and evict read and write one field per block.
+-- block, a wide one one HMGET; observe (counts and postings) is 4 calls; record and evict read and write one
+-- field per block.
 -- Why this layout: on a large hash every field read is a cache miss (about 2 us on the development machine),
 -- and every redis.call, number formatted or parsed, string built and Lua-side comparison costs about a
 -- microsecond, so a node's children sit in one field, numbers cross as binary structs, and sorts compare numbers.
@@ -260,7 +265,7 @@ local function evict(id)
 end
 
 -- Count the request's blocks and add the request to their postings (core/online.py: observe). Returns the
--- request's ordinal, each block's count and first ordinal after it, and its posting (the packed ordinals).
+-- request's ordinal and each block's value after it (struct COUNTS, then the posting).
 local function observe(blocks)
   if redis.call('HLEN', KEYS[3]) > max_blocks then  -- bounded: forget the popularity learnt so far
     redis.call('DEL', KEYS[3])
@@ -268,27 +273,26 @@ local function observe(blocks)
   local ordinal = redis.call('HINCRBY', KEYS[3], '#seen', 1)
   refresh_now = refresh_now or ordinal == 1
   local values = hmget(KEYS[3], blocks)
-  local counts, firsts, postings, pairs = {}, {}, {}, {}
-  local own = struct.pack('>I6', ordinal)
+  local out, pairs = {}, {}
+  local own = struct.pack('>I4', ordinal % 4294967296)
   for i = 1, #blocks do
     local count, first, posting = 0, ordinal, ''
     local value = values[i]
     if value then
       count, first = struct.unpack(COUNTS, value)
       posting = string.sub(value, 13)
-      if #posting >= 6 * posting_length then
-        posting = string.sub(posting, #posting - 6 * (posting_length - 1) + 1)
+      if #posting >= 4 * posting_length then
+        posting = string.sub(posting, #posting - 4 * (posting_length - 1) + 1)
       end
     end
-    posting = posting .. own
-    counts[i], firsts[i], postings[i] = count + 1, first, posting
+    out[i] = struct.pack(COUNTS, count + 1, first) .. posting .. own
     pairs[2 * i - 1] = blocks[i]
-    pairs[2 * i] = struct.pack(COUNTS, count + 1, first) .. posting
+    pairs[2 * i] = out[i]
   end
   for start = 1, #pairs, 2 * CHUNK do
     redis.call('HSET', KEYS[3], unpack(pairs, start, math.min(start + 2 * CHUNK - 1, #pairs)))
   end
-  return ordinal, counts, firsts, postings
+  return ordinal, out
 end
 
 -- The children of the node `parent` among the request's blocks not on its path (block i is on the path of the
@@ -401,86 +405,6 @@ local function match(blocks, size, rank)
   return path
 end
 
--- The blocks not matched (core/online.py: _extension): the first by size * odds of retrieval, then each by
--- size * (holders that retrieved it + its share of retrievals) / (holders + 1), the holders being the earlier
--- requests that retrieved every block placed so far; once there are none, the rest keep the relevance order.
--- A posting is decoded (one struct.unpack) the first time it is needed; holders are a set (ordinal -> true).
-local I6 = {}
-local function posting_format(m)
-  local format = I6[m]
-  if format == nil then
-    format = '>' .. string.rep('I6', m)
-    I6[m] = format
-  end
-  return format
-end
-
-local function extension(rest, path, size, counts, firsts, packed, own)
-  local seen = math.max(1, own)
-  local lists = {}
-  local function posting(i)  -- the earlier requests that retrieved block i (its own request left out)
-    local list = lists[i]
-    if list == nil then
-      list = {}
-      local m = #packed[i] / 6
-      if m > 0 then
-        local values = {struct.unpack(posting_format(m), packed[i])}
-        for k = 1, m do
-          if values[k] ~= own then
-            list[#list + 1] = values[k]
-          end
-        end
-      end
-      lists[i] = list
-    end
-    return list
-  end
-  local holders, holder_count = nil, 0
-  local function narrow(i)  -- holders := holders & posting(i) (the first time: the posting itself)
-    local kept, count, list = {}, 0, posting(i)
-    for k = 1, #list do
-      local ordinal = list[k]
-      if holders == nil or holders[ordinal] then
-        kept[ordinal], count = true, count + 1
-      end
-    end
-    holders, holder_count = kept, count
-  end
-  for _, i in ipairs(path) do
-    narrow(i)
-  end
-  local placed = {}
-  while #rest > 0 and (holders == nil or holder_count > 0) do
-    local best, best_value, best_first = nil, 0, 0
-    for k = 1, #rest do
-      local i = rest[k]
-      local share = math.min(counts[i] / seen, 0.999)
-      local value
-      if holders == nil then
-        value = size[i] * share / (1.0 - share)
-      else
-        local n, list = 0, posting(i)
-        for j = 1, #list do
-          if holders[list[j]] then
-            n = n + 1
-          end
-        end
-        value = size[i] * (n + share) / (holder_count + 1.0)
-      end
-      if best == nil or value > best_value or (value == best_value and firsts[i] < best_first) then
-        best, best_value, best_first = k, value, firsts[i]
-      end
-    end
-    local i = table.remove(rest, best)
-    placed[#placed + 1] = i
-    narrow(i)
-  end
-  for _, i in ipairs(rest) do
-    placed[#placed + 1] = i
-  end
-  return placed
-end
-
 local function record(order)
   if #order == 0 or request_id == '' then
     return 0
@@ -549,33 +473,19 @@ if mode == 'evict' then
   end
 elseif mode == 'record' then
   result = record(split_blocks(ARGV[FIRST_BLOCK]))
-elseif mode == 'order' or mode == 'both' then
+elseif mode == 'order' then
   local blocks = split_blocks(ARGV[FIRST_BLOCK])
   local size = unpack_all('d', ARGV[FIRST_BLOCK + 1], #blocks)
   local rank = unpack_all('I4', ARGV[FIRST_BLOCK + 2], #blocks)
-  local own, counts, firsts, postings = observe(blocks)
-  local path = match(blocks, size, rank)
-  local placed = {}
-  for _, i in ipairs(path) do
-    placed[i] = true
+  local own, values = observe(blocks)
+  local path = {}
+  for _, i in ipairs(match(blocks, size, rank)) do
+    path[#path + 1] = blocks[i]
   end
-  local rest = {}
-  for i = 1, #blocks do
-    if not placed[i] then
-      rest[#rest + 1] = i
-    end
+  result = {own, table.concat(path)}
+  for i = 1, #values do
+    result[i + 2] = values[i]
   end
-  local order = {}
-  for _, i in ipairs(path) do
-    order[#order + 1] = blocks[i]
-  end
-  for _, i in ipairs(extension(rest, path, size, counts, firsts, postings, own)) do
-    order[#order + 1] = blocks[i]
-  end
-  if mode == 'both' then
-    record(order)
-  end
-  result = order
 else
   return redis.error_reply('decide.lua: unknown mode ' .. tostring(mode))
 end
