@@ -27,7 +27,7 @@ from typing import Any
 from cpmemory.core.blocks import BlockLike, normalize_blocks
 from cpmemory.errors import PromptBudgetError, TokenCounterError
 from cpmemory.session.config import CpMemoryConfig
-from cpmemory.session.lifecycle import FacadeCore, IndexEvictor, is_store_failure
+from cpmemory.session.lifecycle import FacadeCore, IndexEvictor, is_store_failure, shared_evictions
 from cpmemory.session.turns import PreparedTurn, reserve_request
 from cpmemory.stores.base import AsyncSessionStore, SessionStore
 from cpmemory.stores.memory import AsyncInMemorySessionStore, InMemorySessionStore
@@ -170,14 +170,9 @@ class CpMemory(FacadeCore):
         elif isinstance(request_ids, Iterable) and not isinstance(request_ids, (bytes, Mapping)):
             request_ids = list(request_ids)
         removed = self._evict(request_ids, tenant)  # validates request_ids
-        shared = getattr(self.store, "evict_decisions", None)
+        shared = shared_evictions(self.store)
         if shared is not None and request_ids:
-            try:
-                shared(tenant, request_ids)
-            except Exception as error:
-                if not is_store_failure(error):
-                    raise
-                logger.warning("shared decision state not updated for %d evictions: %s", len(request_ids), error)
+            shared(tenant, list(request_ids))
         return removed
 
     def order_blocks(self, blocks: Iterable[BlockLike], *, tenant: str = "default") -> list[Any]:
@@ -308,8 +303,21 @@ class AsyncCpMemory(FacadeCore):
         return self._plan_batch(requests, tenant)
 
     async def evict(self, request_ids: Iterable[str], *, tenant: str = "default") -> int:
-        """See :meth:`CpMemory.evict` (no store IO)."""
-        return self._evict(request_ids, tenant)
+        """See :meth:`CpMemory.evict` (with a Redis store, the shared decision state forgets them too)."""
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        elif isinstance(request_ids, Iterable) and not isinstance(request_ids, (bytes, Mapping)):
+            request_ids = list(request_ids)
+        removed = self._evict(request_ids, tenant)  # validates request_ids
+        shared = getattr(self.store, "evict_decisions", None)
+        if shared is not None and request_ids:
+            try:
+                await shared(tenant, list(request_ids))  # type: ignore[arg-type]
+            except Exception as error:
+                if not is_store_failure(error):
+                    raise
+                logger.warning("shared decision state not updated for %d evictions: %s", len(request_ids), error)
+        return removed
 
     async def reset_index(self, tenant: str | None = None) -> None:
         """See :meth:`CpMemory.reset_index`."""

@@ -7,13 +7,16 @@ facades add the store calls. :class:`IndexEvictor` is the synchronous index main
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import dataclasses
+import inspect
 import logging
 import threading
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Hashable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from typing import Any, NoReturn
 
 from cpmemory.core.blocks import BlockLike, normalize_blocks
@@ -281,8 +284,13 @@ class FacadeCore:
 
     def index_evictor(self) -> IndexEvictor:
         """A synchronous view of the index maintenance (``evict``, ``reset_index``), safe to call from another
-        thread: what :class:`cpmemory.engines.eviction_sync.EvictionSync` drives from its subscriber thread."""
-        return IndexEvictor(self)
+        thread: what :class:`cpmemory.engines.eviction_sync.EvictionSync` drives from its subscriber thread.
+
+        With a Redis store its evictions reach the tenant's shared decision state too (the engine's cache is the
+        truth every worker's orders follow): called directly for a sync store, scheduled on the event loop this
+        method is called from for an asyncio store (the proxy builds it in its loop).
+        """
+        return IndexEvictor(self, shared_evictions(getattr(self, "store", None)))
 
     def check_index(self, tenant: str = "default") -> None:
         """Check the tenant's index invariants (raises IndexIntegrityError on corruption; for tests and tools)."""
@@ -293,18 +301,67 @@ class FacadeCore:
         return self._indexes.size(_tenant(tenant))
 
 
+SharedEvict = Callable[[str, list[str]], None]
+
+
+def shared_evictions(store: Any) -> SharedEvict | None:
+    """How evictions reach ``store``'s shared decision state from any thread (None: the store has none).
+
+    A store failure is logged, never raised: the shared state then keeps those requests' weight until they age
+    out (and a gap makes the next decision distrust it anyway).
+    """
+    evict = getattr(store, "evict_decisions", None)
+    if evict is None:
+        return None
+    if inspect.iscoroutinefunction(evict):
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return None  # no loop to run the asyncio store on: the local index only
+
+        def done(future: concurrent.futures.Future[Any]) -> None:
+            error = None if future.cancelled() else future.exception()
+            if error is not None:
+                logger.warning("shared decision state not updated for evictions: %s", error)
+
+        def run_async(tenant: str, request_ids: list[str]) -> None:
+            try:
+                asyncio.run_coroutine_threadsafe(evict(tenant, request_ids), loop).add_done_callback(done)
+            except RuntimeError as error:  # the loop is closed (shutdown)
+                logger.warning("shared decision state not updated for %d evictions: %s", len(request_ids), error)
+
+        return run_async
+
+    def run(tenant: str, request_ids: list[str]) -> None:
+        try:
+            evict(tenant, request_ids)
+        except Exception as error:
+            if not is_store_failure(error):
+                raise
+            logger.warning("shared decision state not updated for %d evictions: %s", len(request_ids), error)
+
+    return run
+
+
 class IndexEvictor:
-    """Synchronous index maintenance of a facade (sync or async): evictions and resets, no store IO."""
+    """Synchronous index maintenance of a facade (sync or async): evictions and resets."""
 
-    __slots__ = ("_core",)
+    __slots__ = ("_core", "_shared")
 
-    def __init__(self, core: FacadeCore) -> None:
-        """Wrap a facade."""
+    def __init__(self, core: FacadeCore, shared: SharedEvict | None = None) -> None:
+        """Wrap a facade; ``shared`` also evicts from its store's shared decision state (see :func:`shared_evictions`)."""
         self._core = core
+        self._shared = shared
 
     def evict(self, request_ids: Iterable[str], *, tenant: str = "default") -> int:
-        """Remove the leaves of ``request_ids`` from the tenant's index. Returns how many were removed."""
-        return self._core._evict(request_ids, tenant)
+        """Remove the leaves of ``request_ids`` from the tenant's index (and its shared decision state). Returns
+        how many index leaves were removed."""
+        if not isinstance(request_ids, (str, bytes, Mapping)) and isinstance(request_ids, Iterable):
+            request_ids = list(request_ids)
+        removed = self._core._evict(request_ids, tenant)  # validates request_ids
+        if self._shared is not None and request_ids:
+            self._shared(tenant, list(request_ids))  # type: ignore[arg-type]
+        return removed
 
     def reset_index(self, tenant: str | None = None) -> None:
         """Drop one tenant's index (or all of them)."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import random
 import uuid
 
@@ -213,3 +214,47 @@ def test_the_async_facade_shares_the_same_state(prefix):
 
     other = asyncio.run(run())
     assert other.prompt_order[:3] == turn.prompt_order
+
+
+def _trie_fields(store, tenant="default"):
+    client = redis.Redis.from_url(redis_url())
+    try:
+        return client.hlen(store.key_scheme.decision_keys(tenant)[0])
+    finally:
+        client.close()
+
+
+def test_the_kv_event_thread_s_evictions_reach_the_shared_state_sync(prefix):
+    memory = facade(prefix)
+    turn = memory.prepare("a", "q", blocks(1, 2, 3))
+    memory.commit(turn, "x")
+    assert turn.request_id and _trie_fields(memory.store) > 0
+    evictor = memory.index_evictor()
+    worker = threading.Thread(target=evictor.evict, args=([turn.request_id],))  # as EvictionSync's thread does
+    worker.start()
+    worker.join()
+    assert _trie_fields(memory.store) == 0  # the engine evicted it: no worker's orders follow it any more
+
+
+def test_the_kv_event_thread_s_evictions_reach_the_shared_state_async(prefix):
+    async def run():
+        memory = AsyncCpMemory(store=AsyncRedisSessionStore.from_url(redis_url(), RedisStoreConfig(prefix=prefix)))
+        turn = await memory.prepare("a", "q", blocks(1, 2, 3))
+        await memory.commit(turn, "x")
+        before = _trie_fields(memory.store)
+        evictor = memory.index_evictor()  # built in the loop, as the proxy's KV sync does
+        await asyncio.to_thread(evictor.evict, [turn.request_id])  # the subscriber thread
+        for _ in range(100):  # scheduled on the loop: give it the turn
+            if _trie_fields(memory.store) == 0:
+                break
+            await asyncio.sleep(0.01)
+        after = _trie_fields(memory.store)
+        second = await memory.prepare("b", "q", blocks(4, 5))
+        await memory.commit(second, "x")
+        assert await memory.evict([second.request_id]) == 1  # the async facade's own evict reaches it too
+        last = _trie_fields(memory.store)
+        await memory.store.close()
+        return before, after, last
+
+    before, after, last = asyncio.run(run())
+    assert before > 0 and after == 0 and last == 0
