@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-import threading
 import random
+import threading
 import uuid
 
 import pytest
