@@ -7,18 +7,28 @@
 #   .ci/vllm.sh start NAME PORT KVPORT [ARGS] start a server in the background; waits for /health
 #   .ci/vllm.sh stop NAME                     stop the server started under NAME (by its PID file)
 #   .ci/vllm.sh status NAME                   print "up" or "down"
-#   .ci/vllm.sh ci-up                         install, build the model, start the two CI servers (in parallel),
-#                                             write .ci/vllm.env (the CPM_VLLM_* variables the tests read)
-#   .ci/vllm.sh ci-down                       stop the two CI servers
+#   .ci/vllm.sh bench-up                      install, build the model, start the two bench replicas (in parallel)
+#   .ci/vllm.sh bench-down                    stop them
+#   .ci/vllm.sh ci-up                         install, build the model, start the bench replicas and the small
+#                                             server (in parallel), write .ci/vllm.env (the CPM_VLLM_* variables the
+#                                             tests read)
+#   .ci/vllm.sh ci-down                       stop the three CI servers
 #
-# The CI servers: cpm-main (port 18100, KV events tcp://127.0.0.1:15600, 1 GiB KV cache) and cpm-small
-# (port 18101, KV events :15601, a 4 MiB KV cache (15 usable blocks, 1,920 tokens), --max-model-len 1536: evictions come quickly).
+# The bench replicas, two equal servers for `cpmemory bench serve` and the real-engine tests: cpm-main (port 18100,
+# KV events tcp://127.0.0.1:15600) and cpm-main-2 (port 18101, KV events :15601), each with a 48 MiB KV cache
+# (24,576 tokens, 192 blocks of 128; CPM_VLLM_BENCH_KV_BYTES) and --max-model-len 16384. 2 x 24,576 = 49,152 tokens
+# is 65% of the MT-RAG working set of `bench serve`'s default selection (76,181 tokens: the sum of each of the 11
+# conversations' largest prompt), so the replicas cannot keep every history and the prompts' order and routing show
+# in the cached tokens; these are the URLs the public acceptance check `serve` uses (CPM_VLLM_URL, CPM_VLLM_URL_2).
+# The small server cpm-small (port 18102, KV events :15602, a 4 MiB KV cache (15 usable blocks, 1,920 tokens),
+# --max-model-len 1536): evictions come quickly (CPM_VLLM_SMALL_URL).
 #
 # Environment (all optional):
 #   CPM_VLLM_VENV      venv location          (default /root/.cache/cpmemory/vllm-venv, i.e. outside the clone)
 #   CPM_VLLM_MODEL     model directory        (default /root/.cache/cpmemory/tiny-model)
 #   CPM_VLLM_RUN_DIR   PID and log files      (default /tmp/cpmemory-vllm)
-#   CPM_VLLM_KV_BYTES  KV cache size in bytes (default: VLLM_CPU_KVCACHE_SPACE=1, i.e. 1 GiB)
+#   CPM_VLLM_KV_BYTES  KV cache size in bytes of `start` (default: VLLM_CPU_KVCACHE_SPACE=1, i.e. 1 GiB)
+#   CPM_VLLM_BENCH_KV_BYTES  KV cache of each bench replica (default 50331648 = 48 MiB = 24,576 tokens)
 #   CPM_VLLM_START_TIMEOUT  seconds to wait for /health (default 240)
 #
 # Every server gets prefix caching, prompt-token details in usage, KV events on tcp://*:KVPORT (topic
@@ -144,40 +154,69 @@ cmd_status() {
 }
 
 CI_ENV="$HERE/vllm.env"
+BENCH_KV_BYTES=${CPM_VLLM_BENCH_KV_BYTES:-50331648}
+
+# Start servers in parallel: each argument is "NAME PORT KVPORT KV_BYTES [vllm args]"; all or none stay up.
+start_parallel() {
+  local pids=() names=() spec failed=0
+  for spec in "$@"; do
+    # shellcheck disable=SC2086
+    set -- $spec
+    local name=$1 port=$2 kvport=$3 bytes=$4
+    shift 4
+    CPM_VLLM_KV_BYTES=$bytes cmd_start "$name" "$port" "$kvport" "$@" & pids+=($!)
+    names+=("$name")
+  done
+  for pid in "${pids[@]}"; do wait "$pid" || failed=1; done
+  if [ "$failed" -ne 0 ]; then
+    for name in "${names[@]}"; do cmd_stop "$name"; done
+    return 1
+  fi
+}
+
+BENCH_SERVERS=("cpm-main 18100 15600 $BENCH_KV_BYTES" "cpm-main-2 18101 15601 $BENCH_KV_BYTES")
+
+cmd_bench_up() {
+  cmd_install
+  cmd_build_model "$MODEL"
+  start_parallel "${BENCH_SERVERS[@]}"
+  log "bench replicas up: --engine http://127.0.0.1:18100 --engine http://127.0.0.1:18101" \
+      "--kv-events tcp://127.0.0.1:15600 --kv-events tcp://127.0.0.1:15601"
+}
+
+cmd_bench_down() {
+  cmd_stop cpm-main
+  cmd_stop cpm-main-2
+}
 
 cmd_ci_up() {
   cmd_install
   cmd_build_model "$MODEL"
   rm -f "$CI_ENV"
-  cmd_start cpm-main 18100 15600 & local main_pid=$!
-  CPM_VLLM_KV_BYTES=4194304 cmd_start cpm-small 18101 15601 --max-model-len 1536 & local small_pid=$!
-  local failed=0
-  wait "$main_pid" || failed=1
-  wait "$small_pid" || failed=1
-  if [ "$failed" -ne 0 ]; then
-    cmd_ci_down
-    return 1
-  fi
+  start_parallel "${BENCH_SERVERS[@]}" "cpm-small 18102 15602 4194304 --max-model-len 1536" || return 1
   cat > "$CI_ENV" <<ENV
 export CPM_VLLM_URL=http://127.0.0.1:18100
 export CPM_VLLM_KV_ENDPOINT=tcp://127.0.0.1:15600
 export CPM_VLLM_NAME=cpm-main
-export CPM_VLLM_SMALL_URL=http://127.0.0.1:18101
-export CPM_VLLM_SMALL_KV_ENDPOINT=tcp://127.0.0.1:15601
 export CPM_VLLM_URL_2=http://127.0.0.1:18101
-export CPM_VLLM_NAME_2=cpm-small
+export CPM_VLLM_KV_ENDPOINT_2=tcp://127.0.0.1:15601
+export CPM_VLLM_NAME_2=cpm-main-2
+export CPM_VLLM_SMALL_URL=http://127.0.0.1:18102
+export CPM_VLLM_SMALL_KV_ENDPOINT=tcp://127.0.0.1:15602
 export CPM_VLLM_SH=$HERE/vllm.sh
 ENV
   log "servers up; environment in $CI_ENV"
 }
 
 cmd_ci_down() {
-  cmd_stop cpm-main
+  cmd_bench_down
   cmd_stop cpm-small
   rm -f "$CI_ENV"
 }
 
 case "${1:-}" in
+  bench-up) cmd_bench_up ;;
+  bench-down) cmd_bench_down ;;
   ci-up) cmd_ci_up ;;
   ci-down) cmd_ci_down ;;
   install) cmd_install ;;
@@ -185,5 +224,5 @@ case "${1:-}" in
   start) shift; [ $# -ge 3 ] || { log "usage: start NAME PORT KVPORT [ARGS]"; exit 2; }; cmd_start "$@" ;;
   stop) shift; [ $# -ge 1 ] || { log "usage: stop NAME"; exit 2; }; cmd_stop "$1" ;;
   status) shift; cmd_status "$1" ;;
-  *) sed -n '2,25p' "$0"; exit 2 ;;
+  *) sed -n '2,36p' "$0"; exit 2 ;;
 esac

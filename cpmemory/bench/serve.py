@@ -139,7 +139,8 @@ async def engine_facts(settings: ServeSettings) -> list[dict[str, Any]]:
 async def run_serve(trace: Trace, settings: ServeSettings,
                     progress: Callable[[str, Outcome], None] | None = None) -> dict[str, Any]:
     """Replay ``trace`` through every strategy of ``settings``; return the report (see :func:`report_json`)."""
-    from cpmemory.bench.serve_clients import reset_prefix_caches
+    from cpmemory.bench.serve_clients import ProxyClient, reset_prefix_caches
+    from cpmemory.bench.serve_metrics import ENGINE_SAMPLES, PROXY_SAMPLES, delta, scrape
     from cpmemory.session.config import DEFAULT_SYSTEM_PROMPT
 
     validate(settings)
@@ -157,9 +158,15 @@ async def run_serve(trace: Trace, settings: ServeSettings,
         for name in order:
             run = StrategyRun(name, reset=await reset_prefix_caches(settings.engines, settings.engine_timeout_s))
             before = os.getloadavg()[0]
+            engines_before = await scrape(settings.engines, ENGINE_SAMPLES)
             async with strategy_client(name, settings, DEFAULT_SYSTEM_PROMPT, cache_tokens) as client:
+                proxy = [client.base_url] if isinstance(client, ProxyClient) else []
+                proxy_before = await scrape(proxy, PROXY_SAMPLES) if proxy else None
                 advance = (lambda outcome, name=name: progress(name, outcome)) if progress else None
                 run.outcomes, run.wall_s = await replay(client, sessions, trace.multi_turn, settings, advance)
+                run.proxy_raw = delta(proxy_before, await scrape(proxy, PROXY_SAMPLES)) if proxy else None
+                run.failover_samples = list(getattr(client, "failures", []))
+            run.engine_raw = delta(engines_before, await scrape(settings.engines, ENGINE_SAMPLES))
             run.load_average = [(before, os.getloadavg()[0])]  # 1-minute load at start and end of the replay
             check_losses(run)
             runs[name].merge(run)
@@ -181,7 +188,8 @@ def report_json(trace: Trace, settings: ServeSettings, runs: dict[str, StrategyR
         "strategies": strategies, "ttft_mean_speedup": speedup, "throughput_speedup": throughput,
         "workload": trace.name, "multi_turn": trace.multi_turn, "sessions": sessions,
         "settings": settings.model_dump(mode="json"), "engines": engines,
-        "details": {name: run.details() for name, run in runs.items()},
+        "details": {name: {**run.details(), **({"by_turn": run.by_turn()} if trace.multi_turn else {})}
+                    for name, run in runs.items()},
     }
 
 

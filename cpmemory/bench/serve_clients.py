@@ -37,6 +37,7 @@ class Sent:
         cached_tokens: ``prompt_tokens_details.cached_tokens`` of the usage (0 when absent).
         replica: index of the replica that answered (-1 when unknown, e.g. behind an upstream router).
         messages: the messages that reached the engine (None when they could not be observed).
+        failovers: replicas failed over before this one answered (the direct client's; 0 through the proxy).
     """
 
     ttft_s: float | None
@@ -45,6 +46,7 @@ class Sent:
     cached_tokens: int
     replica: int
     messages: tuple[Mapping[str, str], ...] | None
+    failovers: int = 0
 
 
 async def lines_of(chunks: AsyncIterator[bytes]) -> AsyncIterator[str]:
@@ -95,7 +97,9 @@ class DirectClient:
 
         client = httpx.AsyncClient(limits=httpx.Limits(max_connections=1024), transport=transport)
         router = Router(list(urls), RouterConfig(policy="affinity"))
-        self.dispatcher = Dispatcher(router, HttpxChatTransport(client), timeout_s=timeout_s, failover=failover)
+        self.failures: list[str] = []  # why a replica was failed over (EngineUnreachableError), in order
+        self.dispatcher = Dispatcher(router, _FailureLog(HttpxChatTransport(client), self.failures),
+                                     timeout_s=timeout_s, failover=failover)
         self.model, self.max_tokens, self.system_prompt = model, max_tokens, system_prompt
         self.history: dict[str, list[dict[str, str]]] = defaultdict(list)
 
@@ -127,11 +131,42 @@ class DirectClient:
             self.history[conversation].extend([messages[-1], {"role": "assistant", "content": answer}])
         prompt, cached = _usage(accumulator)
         return Sent(accumulator.first_token_at and accumulator.first_token_at - started,
-                    time.perf_counter() - started, prompt, cached, opened.decision.index, tuple(messages))
+                    time.perf_counter() - started, prompt, cached, opened.decision.index, tuple(messages),
+                    opened.failovers)
 
     async def aclose(self) -> None:
         """Close the HTTP client."""
         await self.dispatcher.transport.aclose()
+
+
+class _FailureLog:
+    """A ChatTransport that notes every unreachable-engine error (the cause of a failover) before raising it."""
+
+    def __init__(self, transport: Any, failures: list[str]) -> None:
+        self.transport, self.failures = transport, failures
+
+    async def complete(self, base_url: str, payload: Mapping[str, Any], headers: Mapping[str, str],
+                       timeout_s: float) -> dict[str, Any]:
+        return await self._noted(self.transport.complete(base_url, payload, headers, timeout_s))
+
+    async def open_stream(self, base_url: str, payload: Mapping[str, Any], headers: Mapping[str, str],
+                          timeout_s: float) -> Any:
+        return await self._noted(self.transport.open_stream(base_url, payload, headers, timeout_s))
+
+    async def _noted(self, call: Any) -> Any:
+        from cpmemory.errors import EngineUnreachableError
+
+        try:
+            return await call
+        except EngineUnreachableError as error:
+            self.failures.append(f"{type(error).__name__}: {str(error)[:200]}")
+            raise
+
+    async def is_healthy(self, base_url: str) -> bool:
+        return bool(await self.transport.is_healthy(base_url))
+
+    async def aclose(self) -> None:
+        await self.transport.aclose()
 
 
 class ProxyClient:
@@ -146,6 +181,7 @@ class ProxyClient:
         """Create the HTTP client; no IO."""
         import httpx
 
+        self.base_url = base_url.rstrip("/")
         self.client = httpx.AsyncClient(base_url=base_url, timeout=httpx.Timeout(timeout_s, connect=5.0),
                                         limits=httpx.Limits(max_connections=1024), transport=transport)
         self.model, self.max_tokens, self.recording = model, max_tokens, recording

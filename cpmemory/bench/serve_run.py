@@ -80,6 +80,7 @@ class Outcome:
     replica: int = -1
     messages: tuple[Any, ...] | None = None
     error: str | None = None
+    failovers: int = 0
 
 
 @dataclass(slots=True)
@@ -94,10 +95,21 @@ class StrategyRun:
     unchecked: int = 0
     loss_samples: list[str] = field(default_factory=list)
     load_average: list[tuple[float, float]] = field(default_factory=list)
+    engine_raw: dict[str, float] | None = None  # the engines' counters over the replay (serve_metrics.delta)
+    proxy_raw: dict[str, float] | None = None  # the proxy's, for the cpmemory strategy
+    rounds: int = 0
+    failover_samples: list[str] = field(default_factory=list)  # the direct client's causes of failovers
 
     def merge(self, other: StrategyRun) -> None:
-        """Pool another round of the same strategy into this one (outcomes, wall time, losses, resets, load)."""
+        """Pool another round of the same strategy into this one (outcomes, wall time, losses, resets, load,
+        engine and proxy counters)."""
+        from cpmemory.bench.serve_metrics import add
+
+        self.engine_raw = add(self.engine_raw, other.engine_raw, first=self.rounds == 0)
+        self.proxy_raw = add(self.proxy_raw, other.proxy_raw, first=self.rounds == 0)
+        self.rounds += 1
         self.outcomes.extend(other.outcomes)
+        self.failover_samples.extend(other.failover_samples)
         self.wall_s += other.wall_s
         self.lost_blocks += other.lost_blocks
         self.unchecked += other.unchecked
@@ -127,7 +139,10 @@ class StrategyRun:
         }
 
     def details(self) -> dict[str, Any]:
-        """What the figures do not say: counts, failures by kind, replicas used, working set, resets."""
+        """What the figures do not say: counts, failures by kind, replicas used, working set, resets, where the
+        time went (the engines' queue and prefill, the proxy's routing; :mod:`cpmemory.bench.serve_metrics`)."""
+        from cpmemory.bench.serve_metrics import engine_summary, proxy_summary
+
         errors = [o.error for o in self.outcomes if o.error is not None]
         kinds = Counter(error.split(":", 1)[0] for error in errors)
         replicas = Counter(str(o.replica) for o in self.answered())
@@ -136,9 +151,25 @@ class StrategyRun:
                 "requests_per_replica": dict(sorted(replicas.items())), "unchecked": self.unchecked,
                 "loss_samples": self.loss_samples[:5], "reset": self.reset,
                 "replica_changes": replica_changes(self.outcomes),
+                "failovers": sum(o.failovers for o in self.outcomes), "failover_samples": self.failover_samples[:5],
                 "working_set_tokens": working_set(self.outcomes),
                 "peak_working_set_tokens": peak_working_set(self.outcomes),
-                "machine_load_average": [[round(a, 2), round(b, 2)] for a, b in self.load_average]}
+                "machine_load_average": [[round(a, 2), round(b, 2)] for a, b in self.load_average],
+                "engine": engine_summary(self.engine_raw), "proxy": proxy_summary(self.proxy_raw)}
+
+    def by_turn(self) -> dict[str, dict[str, Any]]:
+        """Per turn number of the sessions (multi-turn traces): requests, mean TTFT, prompt and cached tokens."""
+        rows: dict[int, list[Outcome]] = {}
+        for outcome in self.answered():
+            rows.setdefault(outcome.job.request.turn, []).append(outcome)
+        out = {}
+        for turn, group in sorted(rows.items()):
+            ttfts = [o.ttft_ms for o in group if o.ttft_ms is not None]
+            out[str(turn)] = {"requests": len(group),
+                              "ttft_mean_ms": round(statistics.fmean(ttfts), 1) if ttfts else None,
+                              "prompt_tokens": sum(o.prompt_tokens for o in group),
+                              "cached_tokens": sum(o.cached_tokens for o in group)}
+        return out
 
 
 def percentile(values: Sequence[float], fraction: float) -> float:
@@ -261,7 +292,7 @@ async def _one(client: Any, job: Job, multi_turn: bool, timeout_s: float, epoch:
         return Outcome(job, started - epoch, error=f"{type(error).__name__}: {str(error)[:300]}")
     ttft = None if sent.ttft_s is None else sent.ttft_s * 1000.0
     return Outcome(job, started - epoch, ttft, sent.latency_s * 1000.0, sent.prompt_tokens, sent.cached_tokens,
-                   sent.replica, sent.messages)
+                   sent.replica, sent.messages, failovers=sent.failovers)
 
 
 async def replay(client: Any, sessions: Sequence[Sequence[Job]], multi_turn: bool, settings: ServeSettings,

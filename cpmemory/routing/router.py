@@ -19,8 +19,9 @@ a :class:`~cpmemory.routing.prefix.PrefixView`): a request that carries no conve
 with the best score (cached share of the prompt, in-flight requests, KV utilisation; see ``routing.prefix``) among
 those within a bounded load (at most ``load_factor`` times the mean in flight plus ``load_slack``), ties broken by rendezvous
 rank. A *sticky* request (a conversation's later turn, a Chain-of-Agents job) goes back to the replica its key went
-to last (a bounded LRU map), unless that replica is down or overloaded; a key the map does not know (another
-worker's, or after a restart) is routed by prefix, which finds where its history is cached.
+to last (a bounded LRU map), unless that replica is down or overloaded, with or without the prompt's blocks (a
+prompt that could not be tokenized does not move a conversation); a key the map does not know (another worker's, or
+after a restart) is routed by prefix, which finds where its history is cached.
 
 A replica is marked down on a connection error or timeout (``mark_down``) and brought back by ``probe``, which calls
 a health check on every down replica. Every method is O(R log R) for R replicas (plus O(blocks) for the prefix
@@ -32,7 +33,7 @@ import hashlib
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -201,7 +202,7 @@ class Router:
         if not usable:
             raise NoHealthyReplicaError(f"no healthy engine replica among {len(ranked)} (excluded {len(excluded)})")
         least = min(usable, key=lambda state: state.in_flight)  # min keeps the first (best ranked) on ties
-        if prompt is None or self.view is None or self.config.policy == "affinity":
+        if self.view is None or self.config.policy == "affinity":
             return self._choose_by_key(usable, least, ranked[0])
         remembered = self._sticky.get(key) if sticky else None
         lost = False  # the key's replica is down or excluded: whatever is chosen is a failover
@@ -209,12 +210,27 @@ class Router:
             state = self._replicas[remembered]
             lost = state not in usable
             if not lost and not self._overloaded(state.in_flight, least.in_flight):
-                return RouteDecision(state.url, remembered, "affinity", self.view.matched_blocks(remembered, prompt))
+                matched = self.view.matched_blocks(remembered, prompt) if prompt is not None else 0
+                return RouteDecision(state.url, remembered, "affinity", matched)
+        if prompt is None:  # nothing to score (e.g. the prompt could not be tokenized): the key decides
+            decision = self._choose_by_key(usable, least, ranked[0])
+            return replace(decision, reason="failover") if lost and decision.reason == "affinity" else decision
         decision = self._choose_by_prefix(usable, prompt, failover=bool(excluded) or lost)
         if self._overloaded(self._replicas[decision.index].in_flight, least.in_flight):  # SGLang's imbalance rule
             position = self._by_url[least.url]
             return RouteDecision(least.url, position, "load", self.view.matched_blocks(position, prompt))
         return decision
+
+    def sticky_replica(self, key: str) -> int | None:
+        """The replica a sticky call for ``key`` goes back to now (prefix policy: remembered, healthy, not
+        overloaded), else None; then ``choose`` needs no prompt to route it. Pure, O(R)."""
+        if self.view is None or self.config.policy == "affinity":
+            return None
+        remembered = self._sticky.get(key)
+        if remembered is None or not self._replicas[remembered].healthy:
+            return None
+        least = min((state.in_flight for state in self._replicas if state.healthy), default=0)
+        return None if self._overloaded(self._replicas[remembered].in_flight, least) else remembered
 
     def _choose_by_key(self, usable: list[_ReplicaState], least: _ReplicaState, first: str) -> RouteDecision:
         preferred = usable[0]

@@ -96,14 +96,17 @@ class KVSyncHub:
     async def prompt_blocks(self, payload: Mapping[str, Any], healthy: Sequence[str] | None = None) -> Any:
         """The prompt's blocks keyed by the engine's hashes (``/tokenize`` on a replica), or None on failure.
 
-        ``healthy`` names the replicas in rotation (base URLs): the first synced one of them tokenizes, within
-        ``TOKENIZE_TIMEOUT_S`` (a slow answer only costs the prefix score). Returns a ``PromptBlocks``; its hashes
+        ``healthy`` names the replicas in rotation (base URLs), preferred first: the first synced one of them
+        tokenizes, within ``TOKENIZE_TIMEOUT_S`` (a slow answer only costs the prefix score). Returns a ``PromptBlocks``; its hashes
         are those ``register`` would compute, so the caller registers them directly.
         """
         from cpmemory.routing.prefix import engine_blocks
 
-        allowed = None if healthy is None else {url.rstrip("/") for url in healthy}
-        usable = [state for state in self._replicas.values() if allowed is None or state.url in allowed]
+        if healthy is None:
+            usable = list(self._replicas.values())
+        else:
+            by_url = {state.url: state for state in self._replicas.values()}
+            usable = [by_url[url.rstrip("/")] for url in healthy if url.rstrip("/") in by_url]
         if not usable:
             return None
         state = usable[0]

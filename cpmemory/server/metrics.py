@@ -44,7 +44,8 @@ class ProxyMetrics:
             registry=registry,
         )
         self.fallbacks = Counter(
-            "cpmemory_fallbacks", "Degraded paths: store (pass-through), engine (failover), load (rebalanced)",
+            "cpmemory_fallbacks", "Degraded paths: store (pass-through), engine (failover), load (rebalanced), "
+            "route_tokenize (no prompt blocks for routing)",
             ["kind"], registry=registry,
         )
         self.healthy_replicas = Gauge("cpmemory_healthy_replicas", "Replicas in rotation", registry=registry)

@@ -176,15 +176,29 @@ class ProxyService:
         self.answer_reserve_tokens = 1024  # answer tokens reserved when a request gives no max_tokens
         self.hold: HoldQueue | None = None  # the hold-and-release queue, when max_in_flight is set (create_app)
 
-    async def route_hint(self, payload: Mapping[str, Any], sticky: bool, remember: bool = True) -> RouteHint:
+    async def route_hint(self, payload: Mapping[str, Any], sticky: bool, remember: bool = True,
+                         key: str | None = None) -> RouteHint:
         """The router's hint for one engine payload: its prompt blocks (engine hashes when the replicas publish KV
-        events and the view follows them, else character chunks) and whether its key is sticky."""
+        events and the view follows them, else character chunks) and whether its key is sticky.
+
+        Engine hashes cost a ``/tokenize`` call before the request can be sent; a sticky call whose replica the
+        router keeps (``Router.sticky_replica``) skips it (its prompt is registered for eviction sync after the
+        answer instead). A tokenization that fails gives no blocks: the router then keeps sticky keys where they
+        are and routes the others by key (counted as the ``route_tokenize`` fallback).
+        """
         router = self.dispatcher.router
         if self.upstream or router.view is None or router.config.policy == "affinity":
             return RouteHint(None, sticky, remember)
         if self.kv_sync is not None and getattr(self.kv_sync, "view", None) is router.view:
-            healthy = [status.url for status in router.status() if status.healthy]
-            return RouteHint(await self.kv_sync.prompt_blocks(payload, healthy), sticky, remember)
+            if sticky and key is not None and router.sticky_replica(key) is not None:
+                return RouteHint(None, sticky, remember)
+            # the least loaded replica in rotation tokenizes (its API server is the least busy)
+            healthy = [status.url for status in sorted(router.status(), key=lambda status: status.in_flight)
+                       if status.healthy]
+            blocks = await self.kv_sync.prompt_blocks(payload, healthy)
+            if blocks is None:
+                self.metrics.fallbacks.labels(kind="route_tokenize").inc()
+            return RouteHint(blocks, sticky, remember)
         return RouteHint(text_blocks(payload.get("messages") or []), sticky, remember)
 
     def cache_salt(self, tenant: str) -> str:
@@ -282,7 +296,7 @@ class ProxyService:
         payload = self.engine_payload(request, prepared.messages, request_id, tenant).body
         key = conversation_affinity_key(tenant, turn.conversation_id)
         try:
-            hint = await self.route_hint(payload, has_history(turn, prepared))
+            hint = await self.route_hint(payload, has_history(turn, prepared), key=key)
             result = await self.dispatcher.complete(key, payload, request_headers(request_id), hint)
         except BaseException as error:
             await self.abort(prepared)
@@ -306,7 +320,7 @@ class ProxyService:
         payload = self.engine_payload(request, prepared.messages, request_id, tenant)
         key = conversation_affinity_key(tenant, turn.conversation_id)
         try:
-            hint = await self.route_hint(payload.body, has_history(turn, prepared))
+            hint = await self.route_hint(payload.body, has_history(turn, prepared), key=key)
             opened = await self.dispatcher.open_stream(key, payload.body, request_headers(request_id), hint)
         except BaseException:
             await self.abort(prepared)

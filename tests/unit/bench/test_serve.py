@@ -187,3 +187,66 @@ def test_rounds_pool_outcomes_losses_and_resets():
     figures = total.figures()
     assert figures["ttft_mean_ms"] == 200.0 and figures["throughput_rps"] == 0.5 and figures["lost_blocks"] == 1
     assert total.reset == {"u": False} and total.details()["machine_load_average"] == [[1.0, 2.0], [2.0, 3.0]]
+
+
+VLLM_METRICS = """# HELP vllm:time_to_first_token_seconds Histogram of time to first token in seconds.
+vllm:time_to_first_token_seconds_sum{engine="0",model_name="tiny"} 12.5
+vllm:time_to_first_token_seconds_count{engine="0",model_name="tiny"} 10.0
+vllm:time_to_first_token_seconds_bucket{engine="0",le="0.1",model_name="tiny"} 3.0
+vllm:request_queue_time_seconds_sum{engine="0",model_name="tiny"} 4.0
+vllm:request_queue_time_seconds_count{engine="0",model_name="tiny"} 10.0
+vllm:request_prefill_time_seconds_sum{engine="0",model_name="tiny"} 6.0
+vllm:request_prefill_time_seconds_count{engine="0",model_name="tiny"} 10.0
+vllm:prompt_tokens_total{engine="0",model_name="tiny"} 9000.0
+vllm:prompt_tokens_cached_total{engine="0",model_name="tiny"} 4000.0
+vllm:request_prefill_kv_computed_tokens_sum{engine="0",model_name="tiny"} 5000.0
+vllm:num_preemptions_total{engine="0",model_name="tiny"} 1.0
+"""
+
+
+def test_engine_counters_of_a_strategy_are_the_difference_of_two_scrapes_pooled_over_rounds():
+    from cpmemory.bench.serve_metrics import ENGINE_SAMPLES, add, delta, engine_summary, totals
+
+    before = totals(VLLM_METRICS, ENGINE_SAMPLES)
+    assert before["ttft_s"] == 12.5 and before["requests"] == 10.0  # buckets are not sums
+    after = totals(VLLM_METRICS.replace("12.5", "22.5").replace("_count{engine=\"0\",model_name=\"tiny\"} 10.0",
+                                                                 "_count{engine=\"0\",model_name=\"tiny\"} 14.0"),
+                   ENGINE_SAMPLES)
+    one = delta(before, after)
+    assert one is not None and one["requests"] == 4.0 and one["ttft_s"] == 10.0 and one["prompt_tokens"] == 0.0
+    pooled = add(add(None, one, first=True), one, first=False)
+    summary = engine_summary(pooled)
+    assert summary is not None and summary["requests"] == 8 and summary["ttft_mean_ms"] == 2500.0
+    assert summary["queue_mean_ms"] == 0.0 and summary["prefill_mean_ms"] == 0.0
+    assert delta(None, after) is None and add(None, one, first=False) is None  # a failed scrape stays unknown
+    assert engine_summary(None) is None
+
+
+def test_proxy_counters_group_route_reasons_and_fallbacks():
+    from cpmemory.bench.serve_metrics import PROXY_SAMPLES, delta, proxy_summary, totals
+
+    text = """cpmemory_route_decisions_total{reason="affinity",replica="0"} 5.0
+cpmemory_route_decisions_total{reason="affinity",replica="1"} 3.0
+cpmemory_route_decisions_total{reason="cold",replica="0"} 2.0
+cpmemory_fallbacks_total{kind="route_tokenize"} 1.0
+cpmemory_middleware_overhead_seconds_sum 0.5
+cpmemory_middleware_overhead_seconds_count 10.0
+cpmemory_kv_sync_failures 1.0
+"""
+    summary = proxy_summary(delta({}, totals(text, PROXY_SAMPLES)))
+    assert summary == {"route_reasons": {"affinity": 8, "cold": 2}, "fallbacks": {"route_tokenize": 1},
+                       "overhead_mean_ms": 50.0, "kv_sync_failures": 1}
+
+
+def test_by_turn_splits_tokens_and_ttft_by_turn_number():
+    from cpmemory.bench.serve_run import Outcome
+
+    trace = multi_turn_trace(sessions=2, turns=2)
+    sessions = select_jobs(trace, settings_of(requests=4), "r")
+    outcomes = [Outcome(job, 0.0, 100.0 * job.request.turn, 1.0, 10 * job.request.turn, job.request.turn)
+                for turns in sessions for job in turns]
+    outcomes.append(Outcome(sessions[0][0], 0.0, error="timeout"))
+    rows = StrategyRun("cpmemory", outcomes).by_turn()
+    first, second = (str(turn) for turn in sorted({job.request.turn for turns in sessions for job in turns}))
+    assert rows[first]["requests"] == 2 and rows[second]["prompt_tokens"] == 2 * 10 * int(second)
+    assert rows[second]["ttft_mean_ms"] == 100.0 * int(second)

@@ -235,3 +235,28 @@ def test_grouped_prompts_stay_on_their_replica_and_load_stays_balanced() -> None
         homes.setdefault(group, set()).add(decision.index)
     assert max(served) <= 1.3 * sum(served) / len(served)
     assert sum(len(replicas) for replicas in homes.values()) / len(homes) < 2.5
+
+
+def test_a_sticky_key_keeps_its_replica_when_the_prompt_could_not_be_tokenized() -> None:
+    router, _view = make_router(balance_abs_threshold=2, balance_rel_threshold=1.5)
+    key = next(f"conversation-{n}" for n in range(50) if router.ranking(f"conversation-{n}")[0] != URLS[2])
+    router.record(key, router.choose(key, prompt=prompt(1)), prompt(1), sticky=True)
+    router._sticky[key] = 2  # the conversation lives on replica 2, not on its rendezvous first choice
+    assert router.sticky_replica(key) == 2
+    decision = router.choose(key, prompt=None, sticky=True)
+    assert (decision.index, decision.reason) == (2, "affinity")
+    assert router.choose(key, prompt=None).url == router.ranking(key)[0]  # not sticky: the key decides
+    for _ in range(4):
+        router.begin(URLS[2])
+    assert router.sticky_replica(key) is None  # overloaded: the caller must give a prompt to score
+    assert router.choose(key, prompt=None, sticky=True).index != 2
+    router.end(URLS[2])
+    router.end(URLS[2])
+    router.end(URLS[2])
+    router.end(URLS[2])
+    router.mark_down(URLS[2])
+    assert router.sticky_replica(key) is None
+    lost = router.choose(key, prompt=None, sticky=True)
+    assert lost.index != 2 and lost.reason == "failover"
+    assert make_router()[0].sticky_replica("never-seen") is None
+    assert make_router(policy="affinity")[0].sticky_replica(key) is None

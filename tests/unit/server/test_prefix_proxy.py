@@ -54,3 +54,60 @@ async def test_affinity_policy_routes_by_conversation(make_proxy) -> None:
         replicas.add(info["replica"])
         assert info["route_reason"] == "affinity"
     assert len(replicas) > 1
+
+
+async def test_a_kept_conversation_is_routed_without_a_tokenize_call_and_a_failed_one_moves_nothing(make_proxy) -> None:
+    """With KV-event routing, the prompt's engine hashes cost a /tokenize before the request can leave; a later turn
+    whose replica the router keeps needs none, and a tokenization that fails leaves the conversation where it is."""
+    import httpx
+
+    from cpmemory.engines.block_hashes import BlockHasher
+    from cpmemory.engines.client import AsyncEngineClient, EngineSettings
+    from cpmemory.engines.eviction_sync import EvictionSync
+    from cpmemory.routing.prefix import EventPrefixView
+    from cpmemory.routing.router import conversation_affinity_key
+    from cpmemory.server.kv_sync import KVSyncHub, _Replica
+
+    proxy = make_proxy(2)
+    service, router = proxy.service, proxy.service.dispatcher.router
+    router.view = EventPrefixView(2)
+    fleet, tokenized = proxy.fleet.async_transport(), []
+
+    class Counting(httpx.AsyncBaseTransport):
+        async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+            if request.url.path == "/tokenize":
+                tokenized.append(request.url.host)
+            return await fleet.handle_async_request(request)
+
+    http = httpx.AsyncClient(transport=Counting())
+    hub = KVSyncHub(service.memory, proxy.fleet.urls, ["tcp://127.0.0.1:1", "tcp://127.0.0.1:2"], router.view)
+    for index, url in enumerate(proxy.fleet.urls):
+        sync = EvictionSync(service.memory.index_evictor(), BlockHasher(16))
+        hub._replicas[index] = _Replica(url, sync, None, AsyncEngineClient(EngineSettings(base_url=url), http=http))
+    service.kv_sync = hub
+    payload = {"model": "tiny", "messages": [{"role": "user", "content": "What is it? " * 20}]}
+    key = next(conversation_affinity_key("default", f"c{n}") for n in range(50)
+               if router.ranking(conversation_affinity_key("default", f"c{n}"))[0] == proxy.fleet.urls[0])
+    try:
+        first = await service.route_hint(payload, sticky=False, key=key)
+        assert first.prompt is not None and len(tokenized) == 1  # a first turn is scored by its cached prefix
+        router.record(key, router.choose(key, prompt=first.prompt), first.prompt, sticky=True)
+        router._sticky[key] = 1  # the conversation lives on replica 1 (its rendezvous first choice is 0)
+        later = await service.route_hint(payload, sticky=True, key=key)
+        assert later.prompt is None and len(tokenized) == 1  # kept on replica 1: no /tokenize before sending
+        assert router.choose(key, prompt=later.prompt, sticky=True).index == 1
+        router.mark_down(proxy.fleet.urls[1])
+        proxy.fleet.set_down(proxy.fleet.urls[1])
+        moved = await service.route_hint(payload, sticky=True, key=key)
+        assert moved.prompt is not None and len(tokenized) == 2  # its replica is down: score the survivors
+        router.mark_up(proxy.fleet.urls[1])
+        proxy.fleet.set_down(proxy.fleet.urls[1], down=False)
+        for engine in proxy.engines:
+            engine.fail_next(10, status=500)
+        router._sticky.clear()
+        failed = await service.route_hint(payload, sticky=True, key=key)
+        assert failed.prompt is None  # the tokenization failed: counted, routed by key
+        metrics = (await proxy.client.get("/metrics")).text
+        assert 'cpmemory_fallbacks_total{kind="route_tokenize"} 1.0' in metrics
+    finally:
+        await http.aclose()

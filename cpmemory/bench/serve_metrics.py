@@ -1,0 +1,119 @@
+"""Where ``bench serve``'s time goes: the engines' own counters and the proxy's, read before and after a strategy.
+
+The client sees one number per request (TTFT). The engines split it: vLLM's ``/metrics`` histograms give the time a
+request waited in the engine's queue (``request_queue_time``), the time its prefill ran (``request_prefill_time``)
+and the engine's own TTFT (arrival at the engine to first token); its counters give the prompt tokens, the tokens
+served from the prefix cache, the tokens actually computed during prefill and the preemptions (a running request
+evicted for lack of KV cache). The difference of two scrapes is what one strategy's replay did. Client TTFT minus
+engine TTFT is what happened before the engine: the proxy's work (prepare, tokenization for routing), the network and
+the client's own event loop.
+
+The proxy's ``/metrics`` (``cpmemory serve``) says how it routed (decisions by reason), what fell back (by kind),
+how long it spent outside engine calls, and how many KV-sync tokenizations failed.
+"""
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+# sample name -> short name; a histogram contributes its _sum and _count
+ENGINE_SAMPLES = {
+    "vllm:time_to_first_token_seconds_sum": "ttft_s", "vllm:time_to_first_token_seconds_count": "requests",
+    "vllm:request_queue_time_seconds_sum": "queue_s", "vllm:request_queue_time_seconds_count": "queued",
+    "vllm:request_prefill_time_seconds_sum": "prefill_s", "vllm:request_prefill_time_seconds_count": "prefilled",
+    "vllm:request_prefill_kv_computed_tokens_sum": "computed_tokens",
+    "vllm:prompt_tokens_total": "prompt_tokens", "vllm:prompt_tokens_cached_total": "cached_tokens",
+    "vllm:num_preemptions_total": "preemptions",
+}
+PROXY_SAMPLES = {
+    "cpmemory_middleware_overhead_seconds_sum": "overhead_s",
+    "cpmemory_middleware_overhead_seconds_count": "overhead_count",
+    "cpmemory_kv_sync_failures": "kv_sync_failures",
+}
+
+# counters kept per label value: sample name -> (key prefix, label)
+GROUPED = {"cpmemory_route_decisions_total": ("route_", "reason"), "cpmemory_fallbacks_total": ("fallback_", "kind")}
+
+
+def totals(text: str, wanted: Mapping[str, str]) -> dict[str, float]:
+    """The samples of ``wanted`` in a Prometheus text, summed over label sets, under their short names. Pure."""
+    from cpmemory.engines.vllm_admin import parse_metrics
+
+    out: dict[str, float] = {}
+    for name, labels, value in parse_metrics(text):
+        if name in wanted:
+            out[wanted[name]] = out.get(wanted[name], 0.0) + value
+        elif name in GROUPED:
+            key = GROUPED[name][0] + labels.get(GROUPED[name][1], "?")
+            out[key] = out.get(key, 0.0) + value
+    return out
+
+
+async def scrape(urls: Sequence[str], wanted: Mapping[str, str], timeout_s: float = 10.0) -> dict[str, float] | None:
+    """``/metrics`` of every URL at once, the ``wanted`` samples summed over them; None if any scrape failed."""
+    import httpx
+
+    async def one(client: httpx.AsyncClient, url: str) -> dict[str, float] | None:
+        try:
+            response = await client.get(url.rstrip("/") + "/metrics", timeout=timeout_s)
+            response.raise_for_status()
+        except httpx.HTTPError:
+            return None
+        return totals(response.text, wanted)
+
+    async with httpx.AsyncClient() as client:
+        rows = await asyncio.gather(*(one(client, url) for url in urls))
+    if any(row is None for row in rows):
+        return None
+    summed: dict[str, float] = {}
+    for row in rows:
+        for key, value in (row or {}).items():
+            summed[key] = summed.get(key, 0.0) + value
+    return summed
+
+
+def delta(before: Mapping[str, float] | None, after: Mapping[str, float] | None) -> dict[str, float] | None:
+    """``after - before`` per key (None when either scrape failed). Pure."""
+    if before is None or after is None:
+        return None
+    return {key: value - before.get(key, 0.0) for key, value in after.items()}
+
+
+def add(total: dict[str, float] | None, more: Mapping[str, float] | None, first: bool) -> dict[str, float] | None:
+    """Pool two deltas (rounds of one strategy); None stays None once a round could not be read."""
+    if more is None or (total is None and not first):
+        return None
+    out = dict(total or {})
+    for key, value in more.items():
+        out[key] = out.get(key, 0.0) + value
+    return out
+
+
+def engine_summary(raw: Mapping[str, float] | None) -> dict[str, Any] | None:
+    """Means per request (ms) and token totals from a pooled engine delta (see the module docstring)."""
+    if raw is None:
+        return None
+
+    def mean(total: str, count: str) -> float | None:
+        return round(1000.0 * raw[total] / raw[count], 1) if raw.get(count) else None
+
+    return {"requests": int(raw.get("requests", 0)), "ttft_mean_ms": mean("ttft_s", "requests"),
+            "queue_mean_ms": mean("queue_s", "queued"), "prefill_mean_ms": mean("prefill_s", "prefilled"),
+            "prompt_tokens": int(raw.get("prompt_tokens", 0)), "cached_tokens": int(raw.get("cached_tokens", 0)),
+            "computed_tokens": int(raw.get("computed_tokens", 0)), "preemptions": int(raw.get("preemptions", 0))}
+
+
+def proxy_summary(raw: Mapping[str, float] | None) -> dict[str, Any] | None:
+    """Route decisions by reason, fallbacks by kind, mean overhead (ms) and KV-sync failures (registrations and
+    routing tokenizations) from a proxy delta."""
+    if raw is None:
+        return None
+    count = raw.get("overhead_count", 0.0)
+
+    def grouped(prefix: str) -> dict[str, int]:
+        return {key[len(prefix):]: int(value) for key, value in sorted(raw.items()) if key.startswith(prefix) and value}
+
+    return {"route_reasons": grouped("route_"), "fallbacks": grouped("fallback_"),
+            "overhead_mean_ms": round(1000.0 * raw.get("overhead_s", 0.0) / count, 1) if count else None,
+            "kv_sync_failures": int(raw.get("kv_sync_failures", 0))}
