@@ -30,10 +30,12 @@ PROXY_SAMPLES = {
     "cpmemory_middleware_overhead_seconds_sum": "overhead_s",
     "cpmemory_middleware_overhead_seconds_count": "overhead_count",
     "cpmemory_kv_sync_failures": "kv_sync_failures",
+    "cpmemory_fit_wait_seconds_sum": "fit_wait_s", "cpmemory_fit_wait_seconds_count": "fit_waits",
 }
 
 # counters kept per label value: sample name -> (key prefix, label)
-GROUPED = {"cpmemory_route_decisions_total": ("route_", "reason"), "cpmemory_fallbacks_total": ("fallback_", "kind")}
+GROUPED = {"cpmemory_route_decisions_total": ("route_", "reason"), "cpmemory_fallbacks_total": ("fallback_", "kind"),
+           "cpmemory_fit_admissions_total": ("fit_", "reason")}
 
 
 def totals(text: str, wanted: Mapping[str, str]) -> dict[str, float]:
@@ -105,8 +107,8 @@ def engine_summary(raw: Mapping[str, float] | None) -> dict[str, Any] | None:
 
 
 def proxy_summary(raw: Mapping[str, float] | None) -> dict[str, Any] | None:
-    """Route decisions by reason, fallbacks by kind, mean overhead (ms) and KV-sync failures (registrations and
-    routing tokenizations) from a proxy delta."""
+    """Route decisions by reason, fallbacks by kind, mean overhead (ms), KV-sync failures (registrations and
+    routing tokenizations) and cache-fit admissions by reason with their mean wait (ms) from a proxy delta."""
     if raw is None:
         return None
     count = raw.get("overhead_count", 0.0)
@@ -116,4 +118,7 @@ def proxy_summary(raw: Mapping[str, float] | None) -> dict[str, Any] | None:
 
     return {"route_reasons": grouped("route_"), "fallbacks": grouped("fallback_"),
             "overhead_mean_ms": round(1000.0 * raw.get("overhead_s", 0.0) / count, 1) if count else None,
-            "kv_sync_failures": int(raw.get("kv_sync_failures", 0))}
+            "kv_sync_failures": int(raw.get("kv_sync_failures", 0)),
+            "fit_admissions": {key: value for key, value in grouped("fit_").items() if key not in ("wait_s", "waits")},
+            "fit_wait_mean_ms": round(1000.0 * raw.get("fit_wait_s", 0.0) / raw["fit_waits"], 1)
+            if raw.get("fit_waits") else None}

@@ -32,11 +32,13 @@ class RouteHint:
         prompt: the prompt's blocks (prefix scoring).
         sticky: the key's earlier calls carry this call's context: go back to the key's replica.
         remember: record the key's replica for its later sticky calls (a conversation, a job; not a prefix key).
+        replica: the replica the proxy's cache-fit admission placed the call on (its first try; failover as usual).
     """
 
     prompt: PromptBlocks | None = None
     sticky: bool = False
     remember: bool = True
+    replica: int | None = None
 
 
 NO_HINT = RouteHint()
@@ -172,6 +174,10 @@ class Dispatcher:
             return result, decision, len(tried), waited
 
     def _choose(self, key: str, tried: list[str], hint: RouteHint) -> RouteDecision:
+        if hint.replica is not None and not tried:
+            placed = self.router.placed(hint.replica, hint.prompt)
+            if placed is not None:
+                return placed
         try:
             return self.router.choose(key, exclude=tried, prompt=hint.prompt, sticky=hint.sticky)
         except NoHealthyReplicaError as error:

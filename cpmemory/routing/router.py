@@ -41,8 +41,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from cpmemory.errors import InvalidInputError, NoHealthyReplicaError
 from cpmemory.routing.prefix import PrefixView, PromptBlocks, Weights, replica_score
 
-RouteReason = Literal["affinity", "prefix", "cold", "load", "failover"]
-ROUTE_REASONS: tuple[RouteReason, ...] = ("affinity", "prefix", "cold", "load", "failover")
+RouteReason = Literal["affinity", "prefix", "cold", "load", "failover", "fit"]
+ROUTE_REASONS: tuple[RouteReason, ...] = ("affinity", "prefix", "cold", "load", "failover", "fit")
 
 
 class RouterConfig(BaseModel):
@@ -125,7 +125,8 @@ class RouteDecision:
         reason: ``affinity`` (the key's replica), ``prefix`` (the longest cached prefix, within the load bound),
             ``cold`` (no replica holds any of the prompt: load and rendezvous rank decided), ``load`` (the
             affinity or longest-prefix replica was overloaded: a less loaded one was taken), ``failover`` (the
-            first choice is down or was excluded).
+            first choice is down or was excluded), ``fit`` (the proxy's cache-fit admission placed a new
+            conversation where its history fits, cpmemory.server.fit).
         cached_blocks: leading prompt blocks the view says the chosen replica holds (0 without a prompt).
     """
 
@@ -220,6 +221,15 @@ class Router:
             position = self._by_url[least.url]
             return RouteDecision(least.url, position, "load", self.view.matched_blocks(position, prompt))
         return decision
+
+    def placed(self, index: int, prompt: PromptBlocks | None = None) -> RouteDecision | None:
+        """The decision for a call placed on replica ``index`` by admission (reason ``fit``); None when that replica
+        is down (the call is then routed as usual). Pure."""
+        if not 0 <= index < len(self._replicas) or not self._replicas[index].healthy:
+            return None
+        state = self._replicas[index]
+        matched = self.view.matched_blocks(index, prompt) if self.view is not None and prompt is not None else 0
+        return RouteDecision(state.url, index, "fit", matched)
 
     def sticky_replica(self, key: str) -> int | None:
         """The replica a sticky call for ``key`` goes back to now (prefix policy: remembered, healthy, not

@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import hashlib
 import json
+import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import replace
@@ -25,6 +26,7 @@ from typing import Any
 from cpmemory._version import __version__
 from cpmemory.engines.client import AsyncEngineClient, EngineSettings
 from cpmemory.errors import (
+    CpMemoryError,
     EngineError,
     EngineStatusError,
     InvalidInputError,
@@ -37,6 +39,7 @@ from cpmemory.routing.router import Router
 from cpmemory.routing.transport import ChatTransport, HttpxChatTransport
 from cpmemory.server.budget import EngineBudget
 from cpmemory.server.config import ServerConfig
+from cpmemory.server.fit import CacheFit
 from cpmemory.server.hold import Admission, HoldQueue, unheld
 from cpmemory.server.metrics import ProxyMetrics
 from cpmemory.server.salt import CacheSalts
@@ -55,6 +58,8 @@ try:  # the endpoint's annotations are read at runtime by FastAPI (extra ``serve
     from starlette.requests import Request
 except ImportError:  # pragma: no cover - depends on the environment
     Request = Any  # type: ignore[misc,assignment]
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_TENANT = "default"
 
@@ -140,6 +145,7 @@ def create_app(
     service = ProxyService(memory or build_memory(config, store), dispatcher, metrics, salts)
     service.upstream = config.upstream is not None
     service.hold = build_hold(config, service.memory, router, metrics)
+    service.fit = build_fit(config, metrics)
     http_client = getattr(dispatcher.transport, "client", None)
     if config.prompt_budget and http_client is not None:
         settings = EngineSettings(base_url=targets[0], timeout_s=min(5.0, config.engine_timeout_s))
@@ -152,6 +158,7 @@ def create_app(
 
         stop = asyncio.Event()
         probe = asyncio.create_task(dispatcher.probe_forever(stop))
+        sizing = asyncio.create_task(size_fit(service.fit, config)) if service.fit is not None else None
         if config.kv_events:
             from cpmemory.server.kv_sync import KVSyncHub
 
@@ -163,6 +170,10 @@ def create_app(
         finally:
             stop.set()
             await probe
+            if sizing is not None:
+                sizing.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await sizing
             if service.kv_sync is not None:
                 await service.kv_sync.stop()
             # close only what the app made: a caller's transport or memory may outlive this app
@@ -187,6 +198,46 @@ def build_hold(config: ServerConfig, memory: TurnMemory, router: Router, metrics
     planner = None if release_order is None else (lambda requests, tenant: release_order(requests, tenant=tenant))
     return HoldQueue(config.max_in_flight, config.hold_ms / 1000.0, replicas=router.healthy_count, planner=planner,
                      observer=metrics)
+
+
+def build_fit(config: ServerConfig, metrics: ProxyMetrics) -> CacheFit | None:
+    """Cache-fit admission (cpmemory.server.fit) when on: one pool per replica (one for the fleet behind a
+    gateway), sized by ``replica_cache_tokens`` when it is given; :func:`size_fit` reads the engines' sizes."""
+    if not config.fit:
+        return None
+    given = config.replica_cache_tokens if "replica_cache_tokens" in config.model_fields_set else None
+    if config.upstream is not None:  # the fleet's cache: every replica behind the gateway (one if none is named)
+        pools, size = 1, None if given is None else given * max(1, len(config.engines))
+    else:
+        pools, size = len(config.engines), given
+    return CacheFit([size] * pools, fill=config.fit_fill, idle_s=config.fit_idle_ms / 1000.0,
+                    grace_s=config.fit_grace_ms / 1000.0,
+                    max_wait_s=config.fit_max_wait_s, observer=metrics)
+
+
+async def size_fit(fit: CacheFit, config: ServerConfig) -> None:
+    """Read each engine's KV cache size (``/metrics`` ``vllm:cache_config_info``) into ``fit``; an engine that
+    does not report it keeps the configured size (or none: that pool admits everything). Never raises."""
+    import httpx
+
+    sizes: list[int | None] = []
+    async with httpx.AsyncClient() as http:
+        for url in config.engines:
+            client = AsyncEngineClient(EngineSettings(base_url=url, timeout_s=5.0), http=http)
+            try:
+                cache = await client.cache_config()
+            except (CpMemoryError, OSError, httpx.HTTPError) as error:
+                logger.info("cache-fit admission: no KV cache size from %s (%s)", url, error)
+                sizes.append(None)
+                continue
+            sizes.append(cache.num_blocks * cache.block_size if cache.num_blocks else None)
+    if config.upstream is not None:
+        if sizes and all(size is not None for size in sizes):
+            fit.set_capacity(0, sum(size for size in sizes if size is not None))
+        return
+    for replica, size in enumerate(sizes):
+        if size is not None:
+            fit.set_capacity(replica, size)
 
 
 def build_view(config: ServerConfig) -> PrefixView | None:
@@ -313,7 +364,7 @@ async def _respond(service: ProxyService, request: ChatCompletionRequest, tenant
             opened = replace(await service.open_turn_stream(request, tenant, turn, prepared), admission=admission)
             headers = {"X-Cpmemory-Request-Id": engine_request_id(prepared),
                        "X-Cpmemory-Replica": str(opened.decision.index)}
-            overhead = time.perf_counter() - started - opened.engine_seconds
+            overhead = time.perf_counter() - started - opened.engine_seconds - opened.fit.waited_s
             # the background release is a safety net for a client gone before the body started (idempotent)
             return StreamingResponse(service.relay_stream(opened, prepared, overhead),
                                      media_type="text/event-stream", headers=headers,

@@ -15,7 +15,8 @@ Behind a gateway that picks the replica (vllm-router, llm-d, an SGLang router)::
 API keys map to tenants: ``--api-key KEY=TENANT`` (repeatable) or ``--api-keys-file FILE`` (a JSON object
 ``{"KEY": "TENANT"}``, which keeps keys out of the process list). Without keys every caller is tenant ``default``.
 
-``--max-in-flight N [--hold-ms MS]`` turns on the hold-and-release queue (cpmemory.server.hold).
+``--max-in-flight N [--hold-ms MS]`` turns on the hold-and-release queue (cpmemory.server.hold). Cache-fit
+admission (cpmemory.server.fit) is on by default: ``--no-fit`` turns it off, ``--fit-max-wait S`` bounds a wait.
 """
 from __future__ import annotations
 
@@ -89,6 +90,14 @@ def command(
         "planner's order. Default: off, nothing is held."),
     hold_ms: float = typer.Option(_FIELDS["hold_ms"].default, "--hold-ms",
                                   help="The longest a request is held, in milliseconds (with --max-in-flight)."),
+    fit: bool = typer.Option(
+        _FIELDS["fit"].default, "--fit/--no-fit",
+        help="Cache-fit admission: a replica takes a new conversation only while the conversations it serves fit its "
+        "KV cache (size from the engine's /metrics); the others wait, first come first served."),
+    fit_max_wait: float = typer.Option(_FIELDS["fit_max_wait_s"].default, "--fit-max-wait",
+                                       help="The longest a turn waits for room in a replica's cache, in seconds."),
+    fit_idle_ms: float = typer.Option(_FIELDS["fit_idle_ms"].default, "--fit-idle-ms",
+                                      help="A conversation idle this long (milliseconds) stops holding its share."),
     log_level: str = typer.Option("warning", "--log-level", help="uvicorn log level."),
 ) -> None:
     """Start the proxy (blocks until interrupted)."""
@@ -117,6 +126,7 @@ def command(
             engine_timeout_s=engine_timeout, kv_events=kv_events,
             upstream=upstream, router=RouterConfig(policy=router_policy),  # type: ignore[arg-type]
             replica_cache_tokens=replica_cache_tokens, max_in_flight=max_in_flight, hold_ms=hold_ms,
+            fit=fit, fit_max_wait_s=fit_max_wait, fit_idle_ms=fit_idle_ms,
         )
     except ValidationError as error:
         raise typer.BadParameter(str(error)) from error

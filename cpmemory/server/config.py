@@ -49,6 +49,13 @@ class ServerConfig(BaseModel):
             many per healthy replica in flight, arriving requests are held and released together in the window
             planner's order (cpmemory.server.hold). None (the default): nothing is held.
         hold_ms: the longest a request is held (milliseconds).
+        fit: cache-fit admission (cpmemory.server.fit): a replica takes a new conversation only while the
+            conversations it serves fit its KV cache (read from each engine's ``/metrics``, else
+            ``replica_cache_tokens`` when given); the others wait, first come first served. Off where no size is known.
+        fit_fill: the share of a replica's KV cache the live conversations may take.
+        fit_idle_ms: a conversation with nothing in flight for this long stops holding its share.
+        fit_grace_ms: a replica with nothing in flight for this long takes the next new conversation anyway.
+        fit_max_wait_s: the longest a turn waits for room (then it goes to the router's choice anyway).
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -68,6 +75,11 @@ class ServerConfig(BaseModel):
     answer_reserve_tokens: int = Field(default=1024, ge=1)
     max_in_flight: int | None = Field(default=None, ge=1, description="per replica; None: the hold queue is off")
     hold_ms: float = Field(default=5.0, gt=0, le=1000, description="the longest a request is held")
+    fit: bool = True
+    fit_fill: float = Field(default=0.9, gt=0, le=1)
+    fit_idle_ms: float = Field(default=500.0, ge=0, le=600_000)
+    fit_grace_ms: float = Field(default=100.0, ge=0, le=600_000)
+    fit_max_wait_s: float = Field(default=30.0, gt=0, le=3600)
 
     @field_validator("cache_salt_secret")
     @classmethod

@@ -13,6 +13,7 @@ from cpmemory.types import BLOCK_STATUSES
 
 OVERHEAD_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 HOLD_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1.0)
+FIT_BUCKETS = (0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
 class ProxyMetrics:
@@ -56,7 +57,7 @@ class ProxyMetrics:
         self.route_decisions = Counter(
             "cpmemory_route_decisions", "Routing decisions by replica and reason (affinity: the conversation's or "
             "job's replica; prefix: the longest cached prefix within the load bound; load: load decided; failover: "
-            "the first choice was down)", ["replica", "reason"], registry=registry)
+            "the first choice was down; fit: cache-fit admission placed a new conversation where it fits)", ["replica", "reason"], registry=registry)
         self.route_cached_share = Histogram(
             "cpmemory_route_cached_share", "Share of the prompt the chosen replica holds, as the router's view sees it",
             buckets=(0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0), registry=registry)
@@ -69,6 +70,14 @@ class ProxyMetrics:
         self.kv_sync_failures = Gauge("cpmemory_kv_sync_failures", "Prompt registrations that failed",
                                       registry=registry)
         self._hold_metrics(Counter, Gauge, Histogram)
+        self.fit_admissions = Counter(
+            "cpmemory_fit_admissions", "Turns admitted by cache-fit admission, by reason (live: the conversation "
+            "was being served; room: its history fits; timeout: it waited max_wait and went over the cache)",
+            ["reason"], registry=registry)
+        self.fit_waiting_now = Gauge("cpmemory_fit_waiting", "Turns waiting for room in a replica's KV cache",
+                                     registry=registry)
+        self.fit_wait_seconds = Histogram("cpmemory_fit_wait_seconds", "How long a turn that waited for room waited",
+                                          buckets=FIT_BUCKETS, registry=registry)
 
     def _hold_metrics(self, counter: Any, gauge: Any, histogram: Any) -> None:
         """The hold-and-release queue's metrics (cpmemory.server.hold); this object is its observer."""
@@ -88,6 +97,17 @@ class ProxyMetrics:
                                      registry=registry)
         self.hold_cancelled = counter("cpmemory_hold_cancelled", "Held requests whose client went away",
                                       registry=registry)
+
+    # -- FitObserver (cpmemory.server.fit) ------------------------------------------------------------------
+    def fit_admitted(self, reason: str, waited_s: float) -> None:
+        """A turn was admitted by cache-fit admission."""
+        self.fit_admissions.labels(reason=reason).inc()
+        if waited_s > 0:
+            self.fit_wait_seconds.observe(waited_s)
+
+    def fit_waiting(self, waiting: int) -> None:
+        """Turns waiting for room now."""
+        self.fit_waiting_now.set(waiting)
 
     # -- HoldObserver (cpmemory.server.hold) ----------------------------------------------------------------
     def held(self, waiting: int) -> None:

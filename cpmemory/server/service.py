@@ -3,7 +3,9 @@
 Flow of a request carrying the ``cpmemory`` extension (or the ``X-Cpmemory-Conversation`` header)::
 
     [hold while the replicas are full (server.hold), release in planner order]
-        -> prepare (facade: dedup, reorder, annotate)  ->  dispatch to the conversation's replica (failover)
+        -> prepare (facade: dedup, reorder, annotate)
+        -> [cache-fit admission (server.fit): a new conversation waits until a replica's cache has room for it]
+        -> dispatch to the conversation's replica (failover)
         -> success: commit the answer                  -> failure: abort (the stored state is unchanged)
 
 Without the extension the request is passed through. Routing (``routing.router``): a request that carries no
@@ -20,7 +22,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from cpmemory.core.blocks import Block, to_block
@@ -28,6 +30,7 @@ from cpmemory.engines.openai_wire import EngineBody, engine_body, request_header
 from cpmemory.errors import (
     EngineError,
     InvalidInputError,
+    NoHealthyReplicaError,
     PromptBudgetError,
     ReservationError,
     StoreUnavailableError,
@@ -37,6 +40,7 @@ from cpmemory.routing.dispatch import NO_HINT, Dispatcher, DispatchResult, Route
 from cpmemory.routing.prefix import text_blocks
 from cpmemory.routing.router import RouteDecision, conversation_affinity_key
 from cpmemory.server.budget import MAX_REPLANS, EngineBudget, requested_answer_tokens, tighter_budget
+from cpmemory.server.fit import UNGATED, CacheFit, FitSlot
 from cpmemory.server.hold import Admission, HoldQueue
 from cpmemory.server.metrics import ProxyMetrics
 from cpmemory.server.salt import CacheSalts
@@ -86,6 +90,7 @@ class OpenedStream:
     dispatch: StreamDispatch
     strip_usage: bool
     admission: Admission | None = None
+    fit: FitSlot = field(default_factory=lambda: UNGATED)
 
     @property
     def decision(self) -> RouteDecision:
@@ -102,6 +107,7 @@ class OpenedStream:
         try:
             await self.dispatch.release()
         finally:
+            self.fit.end(self.dispatch.decision.index)  # idempotent: relay_stream ends it first, with the usage
             if self.admission is not None:
                 self.admission.done()
 
@@ -175,6 +181,7 @@ class ProxyService:
         self.engine_budget: EngineBudget | None = None  # set by create_app (cpmemory.server.budget)
         self.answer_reserve_tokens = 1024  # answer tokens reserved when a request gives no max_tokens
         self.hold: HoldQueue | None = None  # the hold-and-release queue, when max_in_flight is set (create_app)
+        self.fit: CacheFit | None = None  # cache-fit admission, when the replicas' cache sizes are known (create_app)
 
     async def route_hint(self, payload: Mapping[str, Any], sticky: bool, remember: bool = True,
                          key: str | None = None) -> RouteHint:
@@ -295,19 +302,23 @@ class ProxyService:
         request_id = engine_request_id(prepared)
         payload = self.engine_payload(request, prepared.messages, request_id, tenant).body
         key = conversation_affinity_key(tenant, turn.conversation_id)
+        slot = UNGATED
         try:
             hint = await self.route_hint(payload, has_history(turn, prepared), key=key)
+            slot, hint = await self.place(key, payload, hint, request)
             result = await self.dispatcher.complete(key, payload, request_headers(request_id), hint)
         except BaseException as error:
+            slot.end()
             await self.abort(prepared)
             if isinstance(error, EngineError):
                 self.metrics.requests.labels(replica="none", outcome="engine_error").inc()
             raise
+        slot.end(result.decision.index, *answer_usage(result.response.get("usage")))
         committed = await self.commit(prepared, response_text(result.response))
         if committed and self.kv_sync is not None:
             self._register(result.decision.index, request_id, payload, tenant, hint)
         self._count_engine(result.decision, result.failovers, result.response.get("usage"), hint)
-        overhead = time.perf_counter() - started - result.engine_seconds
+        overhead = time.perf_counter() - started - result.engine_seconds - slot.waited_s  # a wait has its histogram
         info = self.turn_info(turn, prepared, result.decision, result.failovers, result.response.get("usage"),
                               committed, overhead)
         return TurnOutcome({**result.response, "cpmemory": info})
@@ -319,13 +330,40 @@ class ProxyService:
         request_id = engine_request_id(prepared)
         payload = self.engine_payload(request, prepared.messages, request_id, tenant)
         key = conversation_affinity_key(tenant, turn.conversation_id)
+        slot = UNGATED
         try:
             hint = await self.route_hint(payload.body, has_history(turn, prepared), key=key)
+            slot, hint = await self.place(key, payload.body, hint, request)
             opened = await self.dispatcher.open_stream(key, payload.body, request_headers(request_id), hint)
         except BaseException:
+            slot.end()
             await self.abort(prepared)
             raise
-        return OpenedStream(opened, payload.strip_usage)
+        return OpenedStream(opened, payload.strip_usage, fit=slot)
+
+    async def place(self, key: str, payload: Mapping[str, Any], hint: RouteHint, request: ChatCompletionRequest
+                    ) -> tuple[FitSlot, RouteHint]:
+        """Cache-fit admission of a turn (cpmemory.server.fit): waits while no replica's cache has room for a new
+        conversation; returns its slot and the hint, with the replica it was placed on. Off: at once, unchanged."""
+        fit = self.fit
+        router = self.dispatcher.router
+        healthy = [status.index for status in router.status() if status.healthy]
+        if fit is None or not fit.sized or not healthy:
+            return UNGATED, hint
+        if self.upstream:  # the gateway picks the replica: one pool, the fleet's cache
+            ranked = [0]
+        else:
+            try:
+                first = router.choose(key, prompt=hint.prompt, sticky=hint.sticky).index
+            except NoHealthyReplicaError:
+                return UNGATED, hint
+            ranked = [first, *(index for index in healthy if index != first)]
+        chars = sum(len(str(message.get("content") or "")) for message in payload.get("messages") or [])
+        slot = await fit.admit(key, chars, requested_answer_tokens(request, self.answer_reserve_tokens), ranked)
+        moved = slot.replica != ranked[0] or slot.waited_s > 0  # placed elsewhere, or the router's view is stale
+        if slot.reason != "room" or self.upstream or not moved:
+            return slot, hint
+        return slot, replace(hint, replica=slot.replica)
 
     def _register(self, replica: int, request_id: str, payload: Mapping[str, Any], tenant: str,
                   hint: RouteHint) -> None:
@@ -355,6 +393,7 @@ class ProxyService:
             yield b'data: {"error": {"type": "engine_error", "code": "stream_broken", "message": "' + \
                 type(error).__name__.encode() + b'"}}\n\n'
         finally:
+            opened.fit.end(opened.decision.index, *answer_usage(collector.usage))
             await opened.release()
             await self._finish_stream(opened.dispatch, prepared, collector, overhead_s)
 
@@ -423,6 +462,14 @@ class ProxyService:
         if decision.reason == "load":
             self.metrics.fallbacks.labels(kind="load").inc()
         self.metrics.healthy_replicas.set(self.dispatcher.router.healthy_count())
+
+
+def answer_usage(usage: Any) -> tuple[int | None, int]:
+    """(prompt tokens or None, completion tokens) of an engine's ``usage`` object."""
+    if not isinstance(usage, Mapping):
+        return None, 0
+    prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
+    return (prompt if isinstance(prompt, int) else None), (completion if isinstance(completion, int) else 0)
 
 
 def has_history(turn: TurnInput, prepared: PreparedTurn) -> bool:

@@ -1,0 +1,367 @@
+"""Cache-fit admission: a replica serves at once only the conversations whose histories fit its KV cache; the others'
+turns wait in the proxy.
+
+::
+
+    turn of conversation c
+      ├─ c is live on replica r and *resident* there ──────────────────────► r at once            ("live")
+      ├─ c is live on r, not resident (the older ones fill the cache) ─► wait until it is ─► r    ("resumed")
+      └─ c is new: a replica (the router's choice first, then the most room) whose live
+         conversations' footprints + c's fit ─► it at once                                       ("room")
+         none fits, or other new ones already wait ─► wait (first come first served) ─► it         ("room")
+      any wait longer than max_wait_s ─► sent anyway (its replica, or the router's choice)         ("timeout")
+
+Why. An engine's prefix cache keeps a conversation's history for its next turn only while the histories of the
+conversations it serves together fit; past that, LRU eviction takes the oldest history first, which in a round-robin
+interleaving is the next one needed: every turn re-prefills its whole history (thrashing). Closed-loop agents send
+turn n+1 as soon as turn n is answered, so serving at once only what the cache holds costs no engine time (a
+single-core engine prefills no faster with more requests in flight) and saves the re-prefills. This is load control
+against thrashing, as for virtual memory (Denning's working sets): vLLM's scheduler admits by the free blocks of the
+requests it runs, not by the histories it will be asked to extend, so it lives in the proxy, where conversations are
+known.
+
+A conversation is *live* on its replica from its first admitted turn until it has had no turn in flight or waiting for
+``idle_s`` (an agent's next turn comes within milliseconds; a human's, seconds later, enters again and usually finds
+its replica by affinity). Live conversations are kept in admission order; the *resident* ones are those that fit, taken
+first fit in that order within ``fill`` times the replica's KV cache (the oldest always). Conversations grow, so a
+resident one may stop being resident when an older one grows: its turns then wait until the older ones end. A new
+conversation enters a replica only when every live one there (resident or waiting) plus it fit, so it never overtakes
+a waiting one. A *footprint* is the engine tokens of the conversation's latest prompt plus its answer: the engine's
+usage once a turn is answered, else the prompt's characters times the tokens per character observed so far.
+
+A replica whose capacity is unknown admits everything; nobody waits longer than ``max_wait_s`` (the fallback is
+vLLM's own behaviour); a waiter whose client goes away leaves the queue. Admission decides only when and where a turn
+is sent, never its content.
+
+Use from one event loop.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Literal, Protocol
+
+FitReason = Literal["live", "resumed", "room", "timeout"]
+FIT_REASONS: tuple[FitReason, ...] = ("live", "resumed", "room", "timeout")
+
+DEFAULT_TOKENS_PER_CHAR = 0.25
+"""Tokens per character before the first answer's usage is seen (about 4 characters per token)."""
+
+
+class FitObserver(Protocol):
+    """What admission reports (the proxy's metrics implement it)."""
+
+    def fit_admitted(self, reason: FitReason, waited_s: float) -> None:
+        """A turn was admitted: why, and how long it waited."""
+
+    def fit_waiting(self, waiting: int) -> None:
+        """The number of turns waiting changed."""
+
+
+class _NullObserver:
+    def fit_admitted(self, reason: FitReason, waited_s: float) -> None:
+        pass
+
+    def fit_waiting(self, waiting: int) -> None:
+        pass
+
+
+@dataclass(slots=True)
+class _Live:
+    replica: int
+    footprint: int
+    in_flight: int = 0
+    waiting: int = 0
+    idle_since: float | None = None
+
+
+@dataclass(slots=True, eq=False)
+class _Waiter:
+    key: str
+    tokens: int
+    ranked: tuple[int, ...]
+    since: float
+    future: asyncio.Future[FitSlot]
+    live: _Live | None  # set: a live conversation's turn waiting to be resident again; None: a new conversation
+    timer: asyncio.TimerHandle | None = None
+
+
+@dataclass(slots=True)
+class FitSlot:
+    """One admitted turn: the replica it goes to; ``end`` (exactly once, idempotent) when its engine call ended."""
+
+    admission: CacheFit | None
+    key: str
+    replica: int
+    reason: FitReason
+    waited_s: float
+    chars: int = 0
+    _ended: bool = field(default=False, repr=False)
+
+    def end(self, replica: int | None = None, prompt_tokens: int | None = None, answer_tokens: int = 0) -> None:
+        """The turn's engine call ended on ``replica`` (None: the admitted one), with the engine's usage when known."""
+        if self._ended or self.admission is None:
+            return
+        self._ended = True
+        self.admission._end(self, replica, prompt_tokens, answer_tokens)
+
+
+UNGATED = FitSlot(None, "", -1, "live", 0.0)
+"""The slot of a turn that admission does not gate (off, or behind a gateway without known capacity)."""
+
+
+class CacheFit:
+    """Per-replica admission of conversations by the KV cache their histories need (see the module)."""
+
+    def __init__(
+        self,
+        capacities: Sequence[int | None],
+        *,
+        fill: float = 0.9,
+        idle_s: float = 0.5,
+        grace_s: float = 0.05,
+        max_wait_s: float = 30.0,
+        clock: Callable[[], float] = time.monotonic,
+        observer: FitObserver | None = None,
+    ) -> None:
+        """``capacities``: each replica's KV cache in tokens (None: unknown, that replica admits everything);
+        ``fill``: the share of it the live footprints may take; ``grace_s``: a replica with no turn in flight for
+        this long takes the next new conversation even over ``fill`` (it would idle otherwise). No IO."""
+        if not 0 < fill <= 1:
+            raise ValueError("fill must be in (0, 1]")
+        self.capacities = list(capacities)
+        self.fill = fill
+        self.idle_s = idle_s
+        self.grace_s = grace_s
+        self.max_wait_s = max_wait_s
+        self._quiet_since: dict[int, float] = {}  # replica -> when its last turn in flight ended
+        self._clock = clock
+        self._observer = observer or _NullObserver()
+        self._live: dict[str, _Live] = {}
+        self._waiters: deque[_Waiter] = deque()
+        self._timer: asyncio.TimerHandle | None = None
+        self.tokens_per_char = DEFAULT_TOKENS_PER_CHAR
+
+    @property
+    def sized(self) -> bool:
+        """Whether any replica's capacity is known (else admission admits everything: the proxy skips it)."""
+        return any(capacity is not None for capacity in self.capacities)
+
+    @property
+    def waiting(self) -> int:
+        """Turns waiting for room now."""
+        return sum(1 for waiter in self._waiters if not waiter.future.done())
+
+    def live_tokens(self, replica: int) -> int:
+        """The footprints of the conversations live on ``replica`` (idle ones included until they expire)."""
+        return sum(live.footprint for live in self._live.values() if live.replica == replica)
+
+    def live_conversations(self, replica: int) -> int:
+        """Conversations live on ``replica``."""
+        return sum(1 for live in self._live.values() if live.replica == replica)
+
+    def set_capacity(self, replica: int, tokens: int | None) -> None:
+        """Change one replica's capacity (read from the engine); waiters are re-checked."""
+        self.capacities[replica] = tokens
+        self._pump()
+
+    def estimate(self, chars: int, answer_tokens: int) -> int:
+        """A turn's footprint before the engine counted it: its prompt's characters and its answer's tokens."""
+        return int(chars * self.tokens_per_char) + max(0, answer_tokens)
+
+    async def admit(self, key: str, chars: int, answer_tokens: int, ranked: Sequence[int]) -> FitSlot:
+        """Admit one turn of conversation ``key`` (a prompt of ``chars`` characters, at most ``answer_tokens``
+        generated), to one of ``ranked`` (the healthy replicas, the router's choice first). Waits while it may not
+        run (at most ``max_wait_s``); a cancelled wait leaves the queue."""
+        now = self._clock()
+        self._expire(now)
+        tokens = self.estimate(chars, answer_tokens)
+        live = self._live.get(key)
+        if live is not None and ranked and live.replica not in ranked:  # its replica left rotation: start over
+            del self._live[key]
+            live = None
+        if live is not None:
+            live.footprint = max(live.footprint, tokens)
+            if key in self._resident(live.replica):
+                return self._enter(key, tokens, live.replica, "live", 0.0, chars)
+            return await self._wait(key, tokens, (live.replica,), chars, live)
+        order = self._ranked(ranked)
+        if not any(waiter.live is None for waiter in self._waiters):
+            replica = self._room(tokens, order)
+            if replica is not None:
+                return self._enter(key, tokens, replica, "room", 0.0, chars)
+        return await self._wait(key, tokens, tuple(order), chars, None)
+
+    # -- internals ---------------------------------------------------------------------------------------------
+
+    async def _wait(self, key: str, tokens: int, ranked: tuple[int, ...], chars: int, live: _Live | None) -> FitSlot:
+        loop = asyncio.get_running_loop()
+        waiter = _Waiter(key, tokens, ranked, self._clock(), loop.create_future(), live)
+        waiter.timer = loop.call_later(self.max_wait_s, self._timeout, waiter)
+        if live is not None:
+            live.waiting += 1
+        self._waiters.append(waiter)
+        self._observer.fit_waiting(self.waiting)
+        self._arm()
+        try:
+            slot = await asyncio.shield(waiter.future)
+        except asyncio.CancelledError:
+            self._leave(waiter)
+            raise
+        slot.chars = chars
+        return slot
+
+    def _ranked(self, ranked: Sequence[int]) -> list[int]:
+        """The router's choice first, then the others by the most room."""
+        if not ranked:
+            return []
+        first = ranked[0]
+        rest = [replica for replica in dict.fromkeys(ranked[1:]) if replica != first]
+        rest.sort(key=self._free, reverse=True)
+        return [first, *rest]
+
+    def _limit(self, replica: int) -> float | None:
+        capacity = self.capacities[replica] if 0 <= replica < len(self.capacities) else None
+        return None if capacity is None else self.fill * capacity
+
+    def _free(self, replica: int) -> float:
+        limit = self._limit(replica)
+        return float("inf") if limit is None else limit - self.live_tokens(replica)
+
+    def _room(self, tokens: int, order: Sequence[int]) -> int | None:
+        """The first replica of ``order`` where every live conversation plus ``tokens`` fit (or none is live), else
+        the first one that has been idle for ``grace_s`` (work-conserving: an idle engine serves no cache)."""
+        for replica in order:
+            limit = self._limit(replica)
+            used = self.live_tokens(replica)
+            if limit is None or used == 0 or used + tokens <= limit:
+                return replica
+        now = self._clock()
+        for replica in order:
+            quiet = self._quiet_since.get(replica)
+            if quiet is not None and now - quiet >= self.grace_s:
+                return replica
+        return None
+
+    def _resident(self, replica: int) -> set[str]:
+        """The live conversations of ``replica`` that fit its cache: first fit in admission order (the oldest
+        always)."""
+        limit = self._limit(replica)
+        resident: set[str] = set()
+        used = 0
+        for key, live in self._live.items():
+            if live.replica != replica:
+                continue
+            if limit is None or not resident or used + live.footprint <= limit:
+                resident.add(key)
+                used += live.footprint
+        return resident
+
+    def _enter(self, key: str, tokens: int, replica: int, reason: FitReason, waited_s: float, chars: int) -> FitSlot:
+        live = self._live.get(key)
+        if live is None:
+            live = self._live[key] = _Live(replica, tokens)
+        live.in_flight += 1
+        live.idle_since = None
+        live.footprint = max(live.footprint, tokens)
+        self._quiet_since.pop(replica, None)
+        self._observer.fit_admitted(reason, waited_s)
+        return FitSlot(self, key, replica, reason, waited_s, chars)
+
+    def _end(self, slot: FitSlot, replica: int | None, prompt_tokens: int | None, answer_tokens: int) -> None:
+        live = self._live.get(slot.key)
+        if live is not None:
+            live.in_flight = max(0, live.in_flight - 1)
+            if replica is not None and replica >= 0:
+                live.replica = replica  # a failover moved it
+            if prompt_tokens:
+                live.footprint = prompt_tokens + max(0, answer_tokens)
+                if slot.chars > 0:  # learn the engine's tokens per character (slowly: prompts differ)
+                    observed = prompt_tokens / slot.chars
+                    self.tokens_per_char += 0.2 * (observed - self.tokens_per_char)
+            if live.in_flight == 0:
+                live.idle_since = self._clock()
+            if not any(other.in_flight for other in self._live.values() if other.replica == live.replica):
+                self._quiet_since[live.replica] = self._clock()
+        self._pump()
+
+    def _expire(self, now: float) -> None:
+        gone = [key for key, live in self._live.items()
+                if live.in_flight == 0 and live.waiting == 0 and live.idle_since is not None
+                and now - live.idle_since >= self.idle_s]
+        for key in gone:
+            del self._live[key]
+
+    def _pump(self) -> None:
+        """Let the waiters run that may now: a live one once it is resident; new ones first come first served
+        (the oldest new one waits for room and no newer one overtakes it)."""
+        self._expire(self._clock())
+        blocked_new = False
+        for waiter in list(self._waiters):
+            if waiter.future.done():
+                self._waiters.remove(waiter)
+                continue
+            if waiter.live is not None:
+                if waiter.live is self._live.get(waiter.key) and waiter.key in self._resident(waiter.live.replica):
+                    self._grant(waiter, waiter.live.replica, "resumed")
+                continue
+            if blocked_new:
+                continue
+            replica = self._room(waiter.tokens, self._ranked(waiter.ranked))
+            if replica is None:
+                blocked_new = True
+                continue
+            self._grant(waiter, replica, "room")
+        self._observer.fit_waiting(self.waiting)
+        self._arm()
+
+    def _grant(self, waiter: _Waiter, replica: int, reason: FitReason) -> None:
+        if waiter.timer is not None:
+            waiter.timer.cancel()
+        with contextlib.suppress(ValueError):
+            self._waiters.remove(waiter)
+        if waiter.live is not None:
+            waiter.live.waiting = max(0, waiter.live.waiting - 1)
+        slot = self._enter(waiter.key, waiter.tokens, replica, reason, self._clock() - waiter.since, 0)
+        waiter.future.set_result(slot)
+
+    def _timeout(self, waiter: _Waiter) -> None:
+        if waiter.future.done():
+            return
+        self._grant(waiter, waiter.ranked[0] if waiter.ranked else 0, "timeout")
+        self._pump()
+
+    def _leave(self, waiter: _Waiter) -> None:
+        """A waiter was cancelled: leave the queue, or give back the slot granted at the same moment."""
+        if waiter.timer is not None:
+            waiter.timer.cancel()
+        if waiter.future.done() and not waiter.future.cancelled():
+            waiter.future.result().end()
+        else:
+            waiter.future.cancel()
+            with contextlib.suppress(ValueError):
+                self._waiters.remove(waiter)
+            if waiter.live is not None:
+                waiter.live.waiting = max(0, waiter.live.waiting - 1)
+                if waiter.live.in_flight == 0 and waiter.live.idle_since is None:
+                    waiter.live.idle_since = self._clock()
+        self._pump()
+
+    def _arm(self) -> None:
+        """While turns wait, wake up when the next idle conversation expires."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if not self.waiting:
+            return
+        wakeups = [live.idle_since + self.idle_s for live in self._live.values()
+                   if live.in_flight == 0 and live.idle_since is not None]
+        wakeups += [quiet + self.grace_s for quiet in self._quiet_since.values()]
+        if not wakeups:
+            return
+        delay = max(0.0, min(wakeups) - self._clock()) + 0.001
+        self._timer = asyncio.get_running_loop().call_later(delay, self._pump)

@@ -1,0 +1,196 @@
+"""Cache-fit admission (cpmemory.server.fit) on its own: who is admitted where, who waits, in which order, when a
+wait ends (room, idle expiry, timeout), and that a cancelled waiter leaves nothing behind."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from cpmemory.server.fit import CacheFit
+
+CHARS_PER_TOKEN = 4  # the default estimate: 0.25 tokens per character
+
+
+def chars(tokens: int) -> int:
+    return tokens * CHARS_PER_TOKEN
+
+
+def test_a_new_conversation_goes_to_the_first_ranked_replica_with_room() -> None:
+    async def main() -> None:
+        fit = CacheFit([1000, 1000], fill=1.0)
+        a = await fit.admit("a", chars(600), 0, [0, 1])
+        b = await fit.admit("b", chars(600), 0, [0, 1])  # 600 + 600 > 1000 on replica 0: replica 1 has room
+        assert (a.replica, a.reason) == (0, "room")
+        assert (b.replica, b.reason) == (1, "room")
+        assert fit.live_tokens(0) == 600 and fit.live_tokens(1) == 600
+
+    asyncio.run(main())
+
+
+def test_a_live_conversation_keeps_its_replica_and_never_waits() -> None:
+    async def main() -> None:
+        fit = CacheFit([1000], fill=1.0)
+        first = await fit.admit("a", chars(900), 0, [0])
+        first.end(0, 950, 10)
+        again = await fit.admit("a", chars(2000), 0, [0])  # larger than the cache: live, so admitted at once
+        assert (again.replica, again.reason) == (0, "live")
+        assert fit.live_conversations(0) == 1
+
+    asyncio.run(main())
+
+
+def test_a_conversation_waits_while_no_replica_has_room_and_enters_when_one_ends() -> None:
+    async def main() -> None:
+        fit = CacheFit([1000], fill=1.0, idle_s=0.0)
+        a = await fit.admit("a", chars(700), 0, [0])
+        waiting = asyncio.ensure_future(fit.admit("b", chars(700), 0, [0]))
+        await asyncio.sleep(0.05)
+        assert not waiting.done() and fit.waiting == 1
+        a.end(0, 700, 0)  # a goes idle; idle_s 0: its share is free at once
+        b = await asyncio.wait_for(waiting, 1.0)
+        assert (b.replica, b.reason) == (0, "room") and b.waited_s > 0
+        assert fit.waiting == 0 and fit.live_conversations(0) == 1
+
+    asyncio.run(main())
+
+
+def test_an_idle_conversation_holds_its_share_for_idle_s_then_frees_it() -> None:
+    async def main() -> None:
+        fit = CacheFit([1000], fill=1.0, idle_s=0.2, grace_s=10.0)
+        a = await fit.admit("a", chars(700), 0, [0])
+        a.end(0, 700, 0)
+        waiting = asyncio.ensure_future(fit.admit("b", chars(700), 0, [0]))
+        await asyncio.sleep(0.1)
+        assert not waiting.done()  # a may still send its next turn
+        b = await asyncio.wait_for(waiting, 1.0)  # woken by a's expiry, with nothing else happening
+        assert b.reason == "room" and b.waited_s >= 0.15
+        assert fit.live_conversations(0) == 1
+
+    asyncio.run(main())
+
+
+def test_a_turn_that_waited_max_wait_goes_to_the_routers_choice_over_the_cache() -> None:
+    async def main() -> None:
+        fit = CacheFit([1000, 1000], fill=1.0, max_wait_s=0.1)
+        await fit.admit("a", chars(800), 0, [0, 1])
+        await fit.admit("b", chars(800), 0, [1, 0])
+        late = await asyncio.wait_for(fit.admit("c", chars(800), 0, [1, 0]), 1.0)
+        assert (late.replica, late.reason) == (1, "timeout")
+        assert fit.live_tokens(1) == 1600
+
+    asyncio.run(main())
+
+
+def test_waiters_are_admitted_first_come_first_served() -> None:
+    async def main() -> None:
+        fit = CacheFit([1000], fill=1.0, idle_s=0.0)
+        a = await fit.admit("a", chars(900), 0, [0])
+        big = asyncio.ensure_future(fit.admit("big", chars(900), 0, [0]))
+        await asyncio.sleep(0.01)
+        small = asyncio.ensure_future(fit.admit("small", chars(50), 0, [0]))  # it would fit beside a, but waits
+        await asyncio.sleep(0.05)
+        assert not small.done()
+        a.end(0, 900, 0)
+        admitted = await asyncio.wait_for(big, 1.0)
+        assert admitted.reason == "room"
+        assert (await asyncio.wait_for(small, 1.0)).reason == "room"  # 900 + 50 <= 1000
+        assert fit.live_conversations(0) == 2
+
+    asyncio.run(main())
+
+
+def test_a_cancelled_waiter_leaves_the_queue_and_holds_nothing() -> None:
+    async def main() -> None:
+        fit = CacheFit([1000], fill=1.0, idle_s=0.0)
+        a = await fit.admit("a", chars(900), 0, [0])
+        gone = asyncio.ensure_future(fit.admit("gone", chars(900), 0, [0]))
+        await asyncio.sleep(0.02)
+        gone.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await gone
+        assert fit.waiting == 0
+        a.end(0, 900, 0)
+        nxt = await asyncio.wait_for(fit.admit("next", chars(900), 0, [0]), 1.0)
+        assert nxt.reason == "room" and fit.live_conversations(0) == 1  # "gone" holds no share
+
+    asyncio.run(main())
+
+
+def test_unknown_capacity_admits_everything_and_learned_tokens_per_char_follow_the_engine() -> None:
+    async def main() -> None:
+        fit = CacheFit([None], fill=1.0)
+        slots = [await fit.admit(str(i), chars(10_000), 0, [0]) for i in range(5)]
+        assert all(slot.reason == "room" for slot in slots)
+        for slot in slots:
+            slot.end(0, 20_000, 8)  # the engine counts twice the default estimate (0.5 tokens per character)
+        assert 0.25 < fit.tokens_per_char <= 0.5
+        assert fit.live_tokens(0) == 5 * 20_008
+
+    asyncio.run(main())
+
+
+def test_a_slot_ends_once_and_a_failover_moves_the_conversation() -> None:
+    async def main() -> None:
+        fit = CacheFit([1000, 1000], fill=1.0)
+        slot = await fit.admit("a", chars(500), 0, [0, 1])
+        slot.end(1, 500, 0)  # the engine call failed over to replica 1
+        slot.end(1, 500, 0)  # idempotent
+        assert fit.live_conversations(0) == 0 and fit.live_conversations(1) == 1
+        again = await fit.admit("a", chars(500), 0, [0, 1])
+        assert (again.replica, again.reason) == (1, "live")
+
+    asyncio.run(main())
+
+
+def test_bad_fill_is_rejected() -> None:
+    with pytest.raises(ValueError):
+        CacheFit([1000], fill=0)
+
+
+def test_a_conversation_outgrown_by_older_ones_waits_until_they_end_and_new_ones_do_not_overtake_it() -> None:
+    async def main() -> None:
+        fit = CacheFit([1000], fill=1.0, idle_s=0.3, grace_s=10.0)  # the steps below take milliseconds
+        a = await fit.admit("a", chars(500), 0, [0])
+        b = await fit.admit("b", chars(400), 0, [0])
+        assert b.reason == "room"
+        b.end(0, 400, 0)
+        a.end(0, 900, 0)  # a's history grew: a (900) + b (400) no longer fit; a is older
+        a2 = await fit.admit("a", chars(900), 0, [0])
+        assert a2.reason == "live"
+        b_next = asyncio.ensure_future(fit.admit("b", chars(400), 0, [0]))
+        await asyncio.sleep(0.02)
+        assert not b_next.done()  # suspended: a's history would be evicted by b's
+        c = asyncio.ensure_future(fit.admit("c", chars(50), 0, [0]))
+        await asyncio.sleep(0.02)
+        assert not c.done()  # 900 + 400 + 50 > 1000: a new conversation does not overtake b
+        a2.end(0, 950, 0)  # a's last turn: a leaves once idle for idle_s
+        resumed = await asyncio.wait_for(b_next, 1.0)
+        assert (resumed.replica, resumed.reason) == (0, "resumed") and resumed.waited_s > 0
+        assert (await asyncio.wait_for(c, 1.0)).reason == "room"  # 400 + 50 fit now
+
+    asyncio.run(main())
+
+
+def test_a_suspended_turn_runs_after_max_wait() -> None:
+    async def main() -> None:
+        fit = CacheFit([1000], fill=1.0, idle_s=10.0, grace_s=10.0, max_wait_s=0.1)
+        a = await fit.admit("a", chars(500), 0, [0])
+        b = await fit.admit("b", chars(400), 0, [0])
+        b.end(0, 400, 0)
+        a.end(0, 900, 0)
+        late = await asyncio.wait_for(fit.admit("b", chars(400), 0, [0]), 1.0)
+        assert (late.replica, late.reason) == (0, "timeout")
+
+    asyncio.run(main())
+
+
+def test_a_replica_idle_for_grace_s_takes_the_next_new_conversation_over_the_fill() -> None:
+    async def main() -> None:
+        fit = CacheFit([1000], fill=1.0, idle_s=10.0, grace_s=0.1)
+        a = await fit.admit("a", chars(900), 0, [0])
+        a.end(0, 900, 0)  # a is live (idle_s 10) but nothing is in flight on replica 0
+        b = await asyncio.wait_for(fit.admit("b", chars(900), 0, [0]), 1.0)
+        assert b.reason == "room" and 0.05 <= b.waited_s < 1.0  # woken by the grace, not a's expiry
+        assert fit.live_conversations(0) == 2
+
+    asyncio.run(main())
