@@ -9,10 +9,10 @@
 """
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 from cpmemory.errors import InvalidIdentifierError
 
@@ -113,7 +113,11 @@ class ReserveRequest:
     """What ``reserve`` needs: the request's blocks as (block_id, content_hash) pairs, in request order.
 
     ``order_sizes`` (one size per block): a store holding the tenant's shared decision state (Redis) also returns
-    the online order of the request's distinct hashes in ``Reservation.shared_order``, in the same round trip.
+    the online order of the request's distinct hashes in ``Reservation.shared_order`` (a :class:`SharedOrder`: asked
+    for the blocks the prompt shows once dedup has run), in the same round trip.
+    ``match_prefix``: whether that order may follow a recorded order's prefix (the match); False for a request
+    whose prompt opens with earlier turns (a later turn): no other request's cached prefix reaches its blocks, so
+    the order is the co-occurrence extension alone and the shared state skips the match walk.
 
     ``history_turns`` (with ``include_transcript``): return only the turn window of ``max_history_turns`` = N turns
     (the turns after ``cpmemory.session.turns.window_start(turns, N)``); None returns every stored turn.
@@ -124,6 +128,7 @@ class ReserveRequest:
     include_transcript: bool = True
     history_turns: int | None = None
     order_sizes: tuple[float, ...] | None = None
+    match_prefix: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,7 +149,15 @@ class Reservation:
     last_search_path: tuple[int, ...] = ()
     transcript_start: int = 0
     turn_sizes: tuple[int, ...] = ()
-    shared_order: tuple[str, ...] | None = None
+    shared_order: SharedOrder | None = None
+
+
+class SharedOrder(Protocol):
+    """The order the tenant's shared decision state gave one request (``Reservation.shared_order``)."""
+
+    def order(self, keys: Sequence[str]) -> list[str]:
+        """``keys`` (distinct content hashes of the request, relevance order) in the order to send them. Pure."""
+        ...
 
 
 @dataclass(frozen=True, slots=True)

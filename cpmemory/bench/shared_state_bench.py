@@ -12,6 +12,12 @@ What it measures, per Redis backend (standalone or cluster):
    ``_p99_ms`` / ``facade_commit_p50_ms`` are wall times of those calls (sequential, one at a time);
    ``facade_round_trips_per_request`` counts the socket exchanges of a prepare plus its commit;
    ``facade_ping_p50_ms`` is a PING timed before each prepare (the round-trip floor under the same load).
+   ``facade_first_turn_prepare_p50_ms``: the conversations' first turns alone (the only ones that walk the shared
+   trie: a later turn's prompt opens with its own history, ``ReserveRequest.match_prefix``).
+   Then the same conversations run on an in-memory store in the same process, right after
+   (``facade_memory_prepare_p50_ms``, ``facade_memory_first_turn_prepare_p50_ms``), and ``facade_added_p50_ms`` /
+   ``facade_first_turn_added_p50_ms`` are what Redis adds to ``CpMemory.prepare`` under the same load
+   (``facade_prepare_over_memory``: the ratio of the p50s).
 3. **memory**: ``tenant_memory_bytes`` is Redis ``MEMORY USAGE`` (exact, ``SAMPLES 0``) of the tenant's decision keys
    after the run, with the bounds that cap it (``decision_max_requests`` recorded orders, ``decision_max_blocks``
    counted blocks, the TTL) and ``tenant_memory_bytes_per_request``.
@@ -71,7 +77,7 @@ def fill_shared_state(store: Any, workload: Workload, requests: int, cluster: bo
             replies = pipe.execute()
             pipe = client.pipeline(transaction=False)
             for number, (order, reply) in enumerate(zip(orders, replies), start):
-                call = codec.record_call(workload.tenant, order.parse(reply), f"fill-{number}")
+                call = codec.record_call(workload.tenant, order.decided(reply), f"fill-{number}")
                 pipe.evalsha(sha, len(call.keys), *call.keys, *call.args)
             pipe.execute()
             advance(count)
@@ -88,6 +94,7 @@ def run_shared_facade(store: Any, workload: Workload, conversations: int, sends:
 
     memory = CpMemory(store=store)
     prepares: list[float] = []
+    first_turns: list[float] = []
     commits: list[float] = []
     pings: list[float] = []
     round_trips = 0
@@ -109,6 +116,8 @@ def run_shared_facade(store: Any, workload: Workload, conversations: int, sends:
             memory.commit(prepared, "An answer.")
             commits.append(time.perf_counter() - middle)
             prepares.append(middle - started)
+            if not history:
+                first_turns.append(middle - started)
             round_trips += sends() - before
             history.extend([prepared.messages[-1], {"role": "assistant", "content": "An answer."}])
         if (number + 1) % max(1, conversations // 4) == 0:
@@ -119,12 +128,29 @@ def run_shared_facade(store: Any, workload: Workload, conversations: int, sends:
     return {
         "facade_prepare_p50_ms": prepare_p50,
         "facade_prepare_p99_ms": _ms(prepares, 0.99),
+        "facade_first_turn_prepare_p50_ms": _ms(first_turns, 0.5),
         "facade_commit_p50_ms": _ms(commits, 0.5),
         "facade_requests": requests,
         "facade_round_trips_per_request": round(round_trips / requests, 3) if requests else 0,
         "facade_ping_p50_ms": ping_p50,
         "facade_prepare_over_ping": round(prepare_p50 / ping_p50, 2) if ping_p50 else None,
         "facade_fallbacks": int(memory.counters.snapshot().get("fallbacks", 0)),
+    }
+
+
+def added_over_memory(row: dict[str, Any], workload: Workload, conversations: int) -> dict[str, Any]:
+    """The same facade phase on an in-memory store, run now (same process, same load), and what the Redis store
+    added to the ``row``'s prepare p50 over it."""
+    from cpmemory.stores.memory import InMemorySessionStore
+
+    memory = run_shared_facade(InMemorySessionStore(), workload, conversations, lambda: 0, None)
+    return {
+        "facade_memory_prepare_p50_ms": memory["facade_prepare_p50_ms"],
+        "facade_memory_first_turn_prepare_p50_ms": memory["facade_first_turn_prepare_p50_ms"],
+        "facade_added_p50_ms": round(row["facade_prepare_p50_ms"] - memory["facade_prepare_p50_ms"], 4),
+        "facade_prepare_over_memory": round(row["facade_prepare_p50_ms"] / memory["facade_prepare_p50_ms"], 2),
+        "facade_first_turn_added_p50_ms": round(row["facade_first_turn_prepare_p50_ms"]
+                                                - memory["facade_first_turn_prepare_p50_ms"], 4),
     }
 
 
@@ -152,6 +178,7 @@ def shared_state_row(store: Any, workload: Workload, requests: int, conversation
     fill_s = fill_shared_state(store, workload, requests, cluster) if requests else 0.0
     row: dict[str, Any] = {"shared_state_requests": requests, "fill_seconds": round(fill_s, 1)}
     row.update(run_shared_facade(store, workload, conversations, sends, ping))
+    row.update(added_over_memory(row, workload, conversations))
     row.update(tenant_memory(store, workload.tenant, cluster))
     recorded = max(1, min(requests, row["decision_max_requests"]))
     row["tenant_memory_bytes_per_request"] = round(row["tenant_memory_bytes"] / recorded, 1)

@@ -17,7 +17,8 @@ Phases, per backend:
   requests (default 100,000) are first recorded in the tenant's shared decision state; then ``CpMemory.prepare``
   (reserve + the shared order + dedup + index + prompt, history given, no ``prompt_order``) and ``commit`` serve
   ``--facade-conversations`` conversations: ``facade_prepare_p50_ms`` / ``_p99_ms``, ``facade_commit_p50_ms``,
-  ``facade_round_trips_per_request``, ``tenant_memory_bytes`` (``MEMORY USAGE`` of the tenant's decision keys)
+  ``facade_round_trips_per_request``, ``facade_added_p50_ms`` (prepare p50 minus the same phase on an in-memory
+  store, run right after in the same process), ``tenant_memory_bytes`` (``MEMORY USAGE`` of the tenant's decision keys)
   with the bounds of that state. The memory row runs the same facade phase on the in-memory store (no fill).
 * **baseline**: ``ping_p50_ms``, a redis-py PING on the same client timed right before each prepare (the floor of
   any round trip on this machine under the same load); ``prepare_over_ping`` is the ratio of the p50s.
@@ -369,7 +370,8 @@ _TABLE_COLUMNS = {
     "prepare_with_transcript_p50_ms": "prep+transcript p50", "commit_p50_ms": "commit p50",
     "turns_per_second": "turns/s (concurrent)", "concurrent_prepare_p50_ms": "concurrent prepare p50",
     "shared_state_requests": "shared state (requests)", "facade_prepare_p50_ms": "facade prepare p50",
-    "facade_prepare_p99_ms": "facade prepare p99", "facade_round_trips_per_request": "rt/request (facade)",
+    "facade_prepare_p99_ms": "facade prepare p99", "facade_added_p50_ms": "facade added p50",
+    "facade_first_turn_added_p50_ms": "added p50 (1st turns)", "facade_round_trips_per_request": "rt/request (facade)",
     "tenant_memory_bytes": "tenant memory (bytes)",
 }
 

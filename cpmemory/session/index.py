@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from cpmemory.core.index import ContextIndex
 from cpmemory.core.online import OnlineOrderer
+from cpmemory.types import SharedOrder
 
 MAX_PLANNED = 4096
 
@@ -86,23 +87,20 @@ class TenantIndexes:
         context: Sequence[Hashable],
         sizes: Sequence[float],
         request_id: str,
-        shared_order: Sequence[Hashable] | None = None,
+        shared_order: SharedOrder | None = None,
     ) -> Placement:
         """Order ``context`` online, record the order sent and index it as ``request_id`` (mutates).
 
         The placement's prefix is the whole order. O(k log k) for the order plus the index insert.
 
         Args:
-            shared_order: the order the tenant's shared decision state gave (Redis): used instead of the local
-                orderer (which then records nothing; the store records the order at commit).
+            shared_order: the order the tenant's shared decision state gave (Redis), asked for ``context``: used
+                instead of the local orderer (which then records nothing; the store records the order at commit).
         """
         if not context:
             return Placement()
         if shared_order is not None:
-            wanted = set(context)
-            ordered = [key for key in dict.fromkeys(shared_order) if key in wanted]
-            placed = set(ordered)
-            ordered += [key for key in context if key not in placed]
+            ordered: list[Hashable] = list(shared_order.order([str(key) for key in context]))
             with self._lock:
                 result = self._index(tenant).insert(ordered, request_id)
             return Placement(tuple(ordered), tuple(result.path), tuple(result.evicted))

@@ -102,6 +102,9 @@ class PreparedTurn:
         prompt_tokens: the prompt's size under the budget's counter (0 when no budget applies).
         budget: the token budget the prompt fits (None: none).
         trim_before: committed turns the store may drop at commit (they are outside the budget's window).
+        opens_conversation: only system messages come before the user message (no earlier turn): the prompt's
+            block order is cached from the system prompt on, so commit records it in the tenant's shared
+            decision state (a Redis store).
     """
 
     reservation_id: str
@@ -123,6 +126,7 @@ class PreparedTurn:
     prompt_tokens: int = 0
     budget: int | None = None
     trim_before: int = 0
+    opens_conversation: bool = False
 
     @property
     def key(self) -> ConversationKey:
@@ -140,7 +144,14 @@ def reserve_request(turn_input: TurnInput, config: CpMemoryConfig) -> ReserveReq
         include_transcript=turn_input.history is None,
         history_turns=config.max_history_turns,
         order_sizes=sizes,
+        match_prefix=opens_conversation(turn_input.history),
     )
+
+
+def opens_conversation(history: Sequence[Message] | None) -> bool:
+    """Whether the prompt's blocks come right after the system prompt (no user or assistant turn before them), so
+    a recorded order's prefix can be cached for them. None (the stored transcript, not read yet): assumed so."""
+    return history is None or all(message.get("role") == "system" for message in history)
 
 
 def _size(block: Block) -> float:
@@ -340,13 +351,14 @@ def plan_turn(
         )
         order = arrange(turn_input, shown, placement.prefix)
     text, positions, annotated = render_user_message(turn_input, decisions, order, config, labels)
+    messages = assemble_messages(turn_input.system_prompt, _delivered(turn_input, sent), text)
     return PreparedTurn(
         reservation_id=reservation.reservation_id,
         tenant=tenant,
         conversation_id=turn_input.key.conversation,
         turn=reservation.turn + 1,
         request_id=request_id,
-        messages=assemble_messages(turn_input.system_prompt, _delivered(turn_input, sent), text),
+        messages=messages,
         decisions=_block_decisions(turn_input, decisions, positions, labels),
         prompt_order=[turn_input.blocks[i].id for i in order if decisions[i].in_full],
         dropped_turns=sent.dropped_turns,
@@ -356,6 +368,7 @@ def plan_turn(
         saved_chars=sum(decision.saved_chars for decision in decisions),
         query=turn_input.query,
         user_message=text,
+        opens_conversation=opens_conversation(messages[:-1]),
     )
 
 
@@ -448,7 +461,8 @@ def commit_record(turn: PreparedTurn, answer: str) -> TurnRecord:
         shown=shown,
         search_path=turn.search_path,
         trim_before=turn.trim_before,
-        sent_order=sent_order(turn) if turn.turn == 1 else (),  # later turns start with their own history
+        # a prompt that opens with earlier turns (a later turn) is cached after them: no other request's prefix
+        sent_order=sent_order(turn) if turn.opens_conversation else (),
         request_id=turn.request_id,
     )
 

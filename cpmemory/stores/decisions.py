@@ -6,7 +6,9 @@ prefix decide as one, and a restarted process resumes. The calls ride in the sam
 ``reserve`` pipelines the ``order`` call (observe + match), ``commit`` pipelines the ``record`` call (the order
 sent and its request id), so a request costs 2 round trips in all. The script returns the matched path and the
 request's counts and postings; the rest of the order (the co-occurrence extension) is computed here by the
-orderer's own code (:meth:`cpmemory.core.online.OnlineOrderer._extension`), so Lua mirrors only the trie.
+orderer's own code (:meth:`cpmemory.core.online.OnlineOrderer._extension`), so Lua mirrors only the trie, once
+dedup has said which blocks the prompt shows (:class:`SharedOrder`). A later turn (its prompt opens with its own
+history: ``ReserveRequest.match_prefix`` False) is observed but not matched (a match budget of 0).
 
 Blocks travel as 8-byte keys (:func:`block_key`, a blake2b digest of the caller's key) and each trie node is one
 hash field of 14 bytes (its parent's 6-byte id and its block) holding 16 bytes (its id, count, last use): the
@@ -64,27 +66,55 @@ def block_key(key: str) -> bytes:
 
 @dataclass(frozen=True, slots=True)
 class OrderCall:
-    """An ``order`` script call and what turns its reply into the order (8-byte keys -> the caller's keys)."""
+    """An ``order`` script call and what turns its reply into a :class:`SharedOrder` (8-byte keys -> the caller's
+    keys)."""
 
     call: ScriptCall
     keys_of: dict[bytes, str]
     sizes: tuple[float, ...]
 
-    def parse(self, reply: Sequence[Any]) -> tuple[str, ...]:
-        """The order: the matched path, then the extension (:func:`extend_order`) of the other blocks."""
+    def parse(self, reply: Sequence[Any]) -> SharedOrder:
+        """The matched path and each block's counts (decoding only: the extension runs in :meth:`SharedOrder.order`).
+        """
         keys_of = self.keys_of
-        keys = list(keys_of.values())
-        own, path_blocks, values = int(reply[0]), bytes(reply[1]), reply[2:]
-        path = [keys_of[path_blocks[at : at + 8]] for at in range(0, len(path_blocks), 8)]
-        return tuple(extend_order(keys, self.sizes, path, values, own))
+        own, path_blocks = int(reply[0]), bytes(reply[1])
+        path = tuple(keys_of[path_blocks[at : at + 8]] for at in range(0, len(path_blocks), 8))
+        return SharedOrder(path, dict(zip(keys_of.values(), reply[2:])), dict(zip(keys_of.values(), self.sizes)), own)
+
+    def decided(self, reply: Sequence[Any]) -> list[str]:
+        """The order of every block of the call (its distinct keys)."""
+        return self.parse(reply).order(list(self.keys_of.values()))
 
 
-def extend_order(keys: Sequence[str], sizes: Sequence[float], path: Sequence[str], values: Sequence[bytes],
+@dataclass(frozen=True, slots=True)
+class SharedOrder:
+    """The shared decision state's answer for one request: the matched path and each block's packed freq value
+    after the request was observed (count, first ordinal, posting; ``decide.lua``), with its size.
+
+    :meth:`order` completes the order of the blocks the prompt shows in full (known once dedup has run, after the
+    round trip): the extension, ``O(k^2 * posting)``, then runs on those k blocks only, as the in-memory orderer
+    does (a later turn shows about a third of its blocks).
+    """
+
+    path: tuple[str, ...]
+    values: dict[str, bytes]
+    sizes: dict[str, float]
+    own: int
+
+    def order(self, keys: Sequence[str]) -> list[str]:
+        """``keys`` (distinct, relevance order) in the order to send: the matched path's blocks among them, then the
+        others in the online orderer's extension order (:func:`extend_order`). Pure."""
+        wanted = set(keys)
+        path = [key for key in self.path if key in wanted]
+        sizes = self.sizes
+        return extend_order(keys, [sizes.get(key, 1.0) for key in keys], path, self.values, self.own)
+
+
+def extend_order(keys: Sequence[str], sizes: Sequence[float], path: Sequence[str], values: dict[str, bytes],
                  own: int) -> list[str]:
     """``path`` then the other ``keys`` in the online orderer's extension order, from each key's packed freq value
-    after the request was observed (count, first ordinal, posting; ``decide.lua``). Runs
-    ``OnlineOrderer._extension`` itself on an orderer holding just these counts, so the rule is the Python one.
-    Pure; O(k^2 * posting)."""
+    in ``values`` (a key without one: never retrieved). Runs ``OnlineOrderer._extension`` itself on an orderer
+    holding just these counts, so the rule is the Python one. Pure; O(k^2 * posting)."""
     from collections import Counter
 
     from cpmemory.core.online import OnlineOrderer
@@ -93,7 +123,10 @@ def extend_order(keys: Sequence[str], sizes: Sequence[float], path: Sequence[str
     first: dict[Hashable, int] = {}
     postings: dict[Hashable, tuple[int, ...]] = {}
     unpack, from_bytes = struct.unpack, int.from_bytes
-    for key, value in zip(keys, values):
+    for key in keys:
+        value = values.get(key)
+        if value is None:
+            continue
         frequency[key] = from_bytes(value[:6], "big")
         first[key] = from_bytes(value[6:12], "big")
         postings[key] = unpack(f">{(len(value) - 12) // 4}I", value[12:])  # ordinals modulo 2^32
@@ -109,20 +142,26 @@ def extend_order(keys: Sequence[str], sizes: Sequence[float], path: Sequence[str
 class DecisionCodec:
     """Builds ``decide.lua`` calls (script name, KEYS, ARGV) and decodes their replies. Pure."""
 
-    __slots__ = ("_head", "keys", "limits")
+    __slots__ = ("_head", "_tenant_keys", "keys", "limits")
 
     def __init__(self, keys: KeyScheme, limits: DecisionLimits) -> None:
         self.keys = keys
         self.limits = limits
         self._head = (limits.ttl_ms, limits.max_requests, limits.max_blocks)
+        self._tenant_keys = functools.lru_cache(maxsize=4096)(keys.decision_keys)  # a digest per call otherwise
 
-    def _args(self, mode: str, request_id: str, gap: str) -> tuple[object, ...]:
+    def _args(self, mode: str, request_id: str, gap: str, match: bool = True) -> tuple[object, ...]:
         limits = self.limits
-        return (mode, *self._head, request_id, limits.match_budget, repr(limits.recency_scale), gap, limits.fanout,
-                limits.posting_length)
+        return (mode, *self._head, request_id, limits.match_budget if match else 0, repr(limits.recency_scale), gap,
+                limits.fanout, limits.posting_length)
 
-    def order_call(self, tenant: str, hashes: Sequence[str], sizes: Sequence[float], gap: str = "") -> OrderCall:
-        """Observe and match a request's distinct ``hashes`` (``OrderCall.parse`` completes the order).
+    def order_call(self, tenant: str, hashes: Sequence[str], sizes: Sequence[float], gap: str = "",
+                   match: bool = True) -> OrderCall:
+        """Observe and match a request's distinct ``hashes`` (``OrderCall.parse`` then ``SharedOrder.order``
+        complete the order).
+
+        ``match=False`` (``ReserveRequest.match_prefix``: a later turn) observes only: a match budget of 0, so the
+        script walks no trie node and the order is the extension alone.
 
         The blocks travel concatenated, with their sizes and their ranks among the request's keys in string order
         (the match breaks ties by the key, as the Python orderer does) packed as binary structs: the script then
@@ -135,27 +174,28 @@ class DecisionCodec:
             if compact not in keys_of:
                 keys_of[compact] = digest
                 kept.append(size)
-        compacts = list(keys_of)
-        rank = dict.fromkeys(compacts, 0)
-        for position, compact in enumerate(sorted(compacts, key=keys_of.__getitem__)):
-            rank[compact] = position
-        count = len(compacts)
-        blocks = b"".join(compacts)
-        packed_sizes = struct.pack(f">{count}d", *kept)
-        ranks = struct.pack(f">{count}I", *rank.values())
-        args = (*self._args("order", "", gap), blocks, packed_sizes, ranks)
-        return OrderCall(ScriptCall(DECISION_SCRIPT, self.keys.decision_keys(tenant), args), keys_of, tuple(kept))
+        blocks = b"".join(keys_of)
+        packed_sizes = ranks = b""  # only the match reads them
+        if match:
+            compacts = list(keys_of)
+            rank = dict.fromkeys(compacts, 0)
+            for position, compact in enumerate(sorted(compacts, key=keys_of.__getitem__)):
+                rank[compact] = position
+            packed_sizes = struct.pack(f">{len(compacts)}d", *kept)
+            ranks = struct.pack(f">{len(compacts)}I", *rank.values())
+        args = (*self._args("order", "", gap, match), blocks, packed_sizes, ranks)
+        return OrderCall(ScriptCall(DECISION_SCRIPT, self._tenant_keys(tenant), args), keys_of, tuple(kept))
 
     def record_call(self, tenant: str, order: Sequence[str], request_id: str, gap: str = "") -> ScriptCall:
         """Record that ``order`` was sent as ``request_id``."""
         blocks = b"".join(dict.fromkeys(block_key(key) for key in order))
-        return ScriptCall(DECISION_SCRIPT, self.keys.decision_keys(tenant),
+        return ScriptCall(DECISION_SCRIPT, self._tenant_keys(tenant),
                           (*self._args("record", request_id, gap), blocks))
 
     def evict_call(self, tenant: str, request_ids: Sequence[str], gap: str = "") -> ScriptCall:
         """Take evicted requests' weight off their paths (with ``gap`` = :data:`RESET` and no ids: distrust the
         whole trie, the engine's cache was cleared)."""
-        return ScriptCall(DECISION_SCRIPT, self.keys.decision_keys(tenant), (*self._args("evict", "", gap),
+        return ScriptCall(DECISION_SCRIPT, self._tenant_keys(tenant), (*self._args("evict", "", gap),
                                                                            *request_ids))
 
 

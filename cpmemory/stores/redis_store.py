@@ -155,7 +155,7 @@ class RedisSessionStore(_RedisStoreBase):
             return self._codec.parse_reserve(self._run(call), request, reservation_id)
         hashes, sizes = distinct_sizes(request.blocks, request.order_sizes)
         gap = self._gaps.argument(key.tenant)
-        order = self._decisions.order_call(key.tenant, hashes, sizes, gap=gap)
+        order = self._decisions.order_call(key.tenant, hashes, sizes, gap=gap, match=request.match_prefix)
         reply, ordered = self._run_many([call, order.call])
         reservation = self._codec.parse_reserve(reply, request, reservation_id)
         if isinstance(ordered, Exception):
@@ -184,7 +184,7 @@ class RedisSessionStore(_RedisStoreBase):
         (order, then record the order; another worker's request may land between them, as with two turns)."""
         gap = self._gaps.argument(tenant)
         order = self._decisions.order_call(tenant, hashes, sizes, gap=gap)
-        decided = list(order.parse(self._run(order.call)))
+        decided = order.decided(self._run(order.call))
         self._gaps.reported(tenant, gap)
         if request_id and decided:
             self._run(self._decisions.record_call(tenant, decided, request_id))
@@ -287,7 +287,7 @@ class AsyncRedisSessionStore(_RedisStoreBase):
             return self._codec.parse_reserve(await self._run(call), request, reservation_id)
         hashes, sizes = distinct_sizes(request.blocks, request.order_sizes)
         gap = self._gaps.argument(key.tenant)
-        order = self._decisions.order_call(key.tenant, hashes, sizes, gap=gap)
+        order = self._decisions.order_call(key.tenant, hashes, sizes, gap=gap, match=request.match_prefix)
         reply, ordered = await self._run_many([call, order.call])
         reservation = self._codec.parse_reserve(reply, request, reservation_id)
         if isinstance(ordered, Exception):

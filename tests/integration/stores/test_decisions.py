@@ -258,3 +258,24 @@ def test_the_kv_event_thread_s_evictions_reach_the_shared_state_async(prefix):
 
     before, after, last = asyncio.run(run())
     assert before > 0 and after == 0 and last == 0
+
+
+def test_a_later_turn_is_counted_but_not_matched(prefix):
+    memory = facade(prefix)
+    client = redis.Redis.from_url(redis_url())
+    freq = memory.store.key_scheme.decision_keys("default")[2]
+    sent = memory.prepare("a", "q", blocks(0, 3), prompt_order=["0", "3"])  # the small block first, recorded
+    memory.commit(sent, "x")
+    opening = memory.prepare("b", "q", blocks(3, 0))
+    assert opening.prompt_order == ["0", "3"]  # a first turn follows the recorded order (the match)
+    memory.commit(opening, "x")
+    history = [{"role": "user", "content": "earlier"}, {"role": "assistant", "content": "answer"}]
+    later = memory.prepare("c", "q", blocks(3, 0), history=history)
+    # no recorded order is a prefix of a prompt that opens with history: the extension alone, by size x odds
+    assert later.prompt_order == ["3", "0"] and not later.degraded
+    assert client.hget(freq, "#seen") == b"2"  # still counted (the opening turn and this one)
+    memory.commit(later.reservation_id, "x")  # by id (the facade's pending copy): still not recorded
+    with_system = memory.prepare("d", "q", blocks(3, 0), history=[{"role": "system", "content": "be brief"}])
+    assert with_system.prompt_order == ["0", "3"]  # a system message alone still opens the conversation
+    client.close()
+

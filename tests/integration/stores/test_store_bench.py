@@ -50,6 +50,11 @@ def test_bench_store_json_rows(real_redis: str) -> None:
             continue
         assert row["shared_state_requests"] == 300 and row["facade_requests"] == 4 and row["facade_fallbacks"] == 0
         assert row["facade_prepare_p50_ms"] > 0 and row["facade_prepare_p99_ms"] >= row["facade_prepare_p50_ms"]
+        assert row["facade_memory_prepare_p50_ms"] > 0  # the in-memory facade phase of the same run
+        assert row["facade_added_p50_ms"] == pytest.approx(row["facade_prepare_p50_ms"]
+                                                           - row["facade_memory_prepare_p50_ms"], abs=1e-3)
+        assert row["facade_first_turn_prepare_p50_ms"] > 0 and "facade_first_turn_added_p50_ms" in row
+        assert row["facade_prepare_over_memory"] > 0
         assert 300 * 100 < row["tenant_memory_bytes"] < 300 * 10_000  # about 1 KB per recorded order
         assert row["decision_max_requests"] == 100_000
     assert rows["redis"]["facade_round_trips_per_request"] == 2.0  # prepare + commit, on the socket

@@ -51,3 +51,12 @@ def test_eviction_reaches_the_online_order():
     mem.commit(first, "x")
     assert mem.evict([first.request_id]) == 1
     mem.check_index()
+
+
+def test_only_a_history_without_user_or_assistant_turns_opens_a_conversation():
+    from cpmemory.session.turns import opens_conversation
+
+    assert opens_conversation(None) and opens_conversation(()) and opens_conversation([{"role": "system",
+                                                                                         "content": "s"}])
+    assert not opens_conversation([{"role": "user", "content": "u"}, {"role": "assistant", "content": "a"}])
+    assert not opens_conversation([{"role": "system", "content": "s"}, {"role": "user", "content": "u"}])
