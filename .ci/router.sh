@@ -74,8 +74,11 @@ cmd_ci_up() {
   bash "$HERE/vllm.sh" install
   bash "$HERE/vllm.sh" build-model
   rm -f "$CI_ENV"
-  CPM_VLLM_KV_BYTES=67108864 bash "$HERE/vllm.sh" start cpm-route-0 18110 15610 & local first=$!
-  CPM_VLLM_KV_BYTES=67108864 bash "$HERE/vllm.sh" start cpm-route-1 18111 15611 & local second=$!
+  local cores
+  cores=$(nproc 2>/dev/null || echo 1)
+  CPM_VLLM_KV_BYTES=67108864 CPM_VLLM_CPU_BIND=0 bash "$HERE/vllm.sh" start cpm-route-0 18110 15610 & local first=$!
+  CPM_VLLM_KV_BYTES=67108864 CPM_VLLM_CPU_BIND=$((1 % cores)) bash "$HERE/vllm.sh" start cpm-route-1 18111 15611 &
+  local second=$!
   local failed=0
   wait "$first" || failed=1
   wait "$second" || failed=1

@@ -29,6 +29,9 @@
 #   CPM_VLLM_RUN_DIR   PID and log files      (default /tmp/cpmemory-vllm)
 #   CPM_VLLM_KV_BYTES  KV cache size in bytes of `start` (default: VLLM_CPU_KVCACHE_SPACE=1, i.e. 1 GiB)
 #   CPM_VLLM_BENCH_KV_BYTES  KV cache of each bench replica (default 50331648 = 48 MiB = 24,576 tokens)
+#   CPM_VLLM_NICE      niceness of the servers (default 10: the proxy and the clients on the same machine go first)
+#   CPM_VLLM_CPU_BIND  the worker's cores for `start` (VLLM_CPU_OMP_THREADS_BIND; vLLM's default "auto" binds
+#                      every server to the same core); the bench replicas get core 0 and core 1
 #   CPM_VLLM_START_TIMEOUT  seconds to wait for /health (default 240)
 #
 # Every server gets prefix caching, prompt-token details in usage, KV events on tcp://*:KVPORT (topic
@@ -107,7 +110,10 @@ cmd_start() {
     log "$NAME already running (pid $(cat "$RUN_DIR/$NAME.pid"))"
     return 0
   fi
-  local kv_env=(VLLM_CPU_KVCACHE_SPACE=1) kv_args=()
+  local kv_env=(VLLM_CPU_KVCACHE_SPACE=1) kv_args=() bind_env=()
+  # vLLM's "auto" OpenMP binding puts every server's worker on the first core of NUMA node 0: two replicas would
+  # share one core. CPM_VLLM_CPU_BIND gives each its own (a core list, e.g. "1"; "auto" / "nobind" as vLLM reads them).
+  [ -n "${CPM_VLLM_CPU_BIND:-}" ] && bind_env=(VLLM_CPU_OMP_THREADS_BIND="$CPM_VLLM_CPU_BIND")
   if [ -n "${CPM_VLLM_KV_BYTES:-}" ]; then
     kv_env=()
     kv_args=(--kv-cache-memory-bytes "$CPM_VLLM_KV_BYTES")
@@ -116,8 +122,10 @@ cmd_start() {
   # together. The shell inside writes its own PID (= the group id) before exec'ing vLLM, which stays right even
   # when setsid has to fork (when the caller's job control made us a group leader).
   rm -f "$RUN_DIR/$NAME.pid"
+  # nice: on a machine shared with the proxy and the benchmark's clients, the engines' compute yields to them (as if
+  # the engines had their own hardware); the engines still get every idle cycle.
   setsid bash -c 'echo $$ > "$0"; exec "$@"' "$RUN_DIR/$NAME.pid" \
-    env "${kv_env[@]}" VLLM_SERVER_DEV_MODE=1 VLLM_LOGGING_LEVEL=WARNING \
+    nice -n "${CPM_VLLM_NICE:-10}" env "${kv_env[@]}" "${bind_env[@]}" VLLM_SERVER_DEV_MODE=1 VLLM_LOGGING_LEVEL=WARNING \
     "$VENV/bin/vllm" serve "$MODEL" --served-model-name tiny --host 127.0.0.1 --port "$port" \
     --dtype bfloat16 --max-model-len 16384 --enforce-eager --enable-prefix-caching \
     --enable-prompt-tokens-details \
@@ -156,15 +164,15 @@ cmd_status() {
 CI_ENV="$HERE/vllm.env"
 BENCH_KV_BYTES=${CPM_VLLM_BENCH_KV_BYTES:-50331648}
 
-# Start servers in parallel: each argument is "NAME PORT KVPORT KV_BYTES [vllm args]"; all or none stay up.
+# Start servers in parallel: each argument is "NAME PORT KVPORT KV_BYTES CPU_BIND [vllm args]"; all or none stay up.
 start_parallel() {
   local pids=() names=() spec failed=0
   for spec in "$@"; do
     # shellcheck disable=SC2086
     set -- $spec
-    local name=$1 port=$2 kvport=$3 bytes=$4
-    shift 4
-    CPM_VLLM_KV_BYTES=$bytes cmd_start "$name" "$port" "$kvport" "$@" & pids+=($!)
+    local name=$1 port=$2 kvport=$3 bytes=$4 bind=$5
+    shift 5
+    CPM_VLLM_KV_BYTES=$bytes CPM_VLLM_CPU_BIND=$bind cmd_start "$name" "$port" "$kvport" "$@" & pids+=($!)
     names+=("$name")
   done
   for pid in "${pids[@]}"; do wait "$pid" || failed=1; done
@@ -174,7 +182,9 @@ start_parallel() {
   fi
 }
 
-BENCH_SERVERS=("cpm-main 18100 15600 $BENCH_KV_BYTES" "cpm-main-2 18101 15601 $BENCH_KV_BYTES")
+# one core each (the second core, if there is one, for the second replica)
+CORES=$(nproc 2>/dev/null || echo 1)
+BENCH_SERVERS=("cpm-main 18100 15600 $BENCH_KV_BYTES 0" "cpm-main-2 18101 15601 $BENCH_KV_BYTES $((1 % CORES))")
 
 cmd_bench_up() {
   cmd_install
@@ -193,7 +203,7 @@ cmd_ci_up() {
   cmd_install
   cmd_build_model "$MODEL"
   rm -f "$CI_ENV"
-  start_parallel "${BENCH_SERVERS[@]}" "cpm-small 18102 15602 4194304 --max-model-len 1536" || return 1
+  start_parallel "${BENCH_SERVERS[@]}" "cpm-small 18102 15602 4194304 auto --max-model-len 1536" || return 1
   cat > "$CI_ENV" <<ENV
 export CPM_VLLM_URL=http://127.0.0.1:18100
 export CPM_VLLM_KV_ENDPOINT=tcp://127.0.0.1:15600

@@ -54,6 +54,7 @@ class ServerConfig(BaseModel):
             ``replica_cache_tokens`` when given); the others wait, first come first served. Off where no size is known.
         fit_fill: the share of a replica's KV cache the live conversations may take.
         fit_idle_ms: a conversation with nothing in flight for this long stops holding its share.
+        fit_first_idle_ms: the same for a conversation that has had one turn so far (a lone question frees it soon).
         fit_grace_ms: a replica with nothing in flight for this long takes the next new conversation anyway.
         fit_max_wait_s: the longest a turn waits for room (then it goes to the router's choice anyway).
     """
@@ -78,6 +79,7 @@ class ServerConfig(BaseModel):
     fit: bool = True
     fit_fill: float = Field(default=0.9, gt=0, le=1)
     fit_idle_ms: float = Field(default=500.0, ge=0, le=600_000)
+    fit_first_idle_ms: float = Field(default=100.0, ge=0, le=600_000)
     fit_grace_ms: float = Field(default=100.0, ge=0, le=600_000)
     fit_max_wait_s: float = Field(default=30.0, gt=0, le=3600)
 

@@ -3,10 +3,11 @@ turns wait in the proxy.
 
 ::
 
-    turn of conversation c
+    turn without history (a lone question, a first turn) ─► the router's choice at once          ("first")
+    later turn of conversation c
       ├─ c is live on replica r and *resident* there ──────────────────────► r at once            ("live")
       ├─ c is live on r, not resident (the older ones fill the cache) ─► wait until it is ─► r    ("resumed")
-      └─ c is new: a replica (the router's choice first, then the most room) whose live
+      └─ c is not live (it idled out, or the proxy restarted): a replica (the router's choice first, then the most room) whose live
          conversations' footprints + c's fit ─► it at once                                       ("room")
          none fits, or other new ones already wait ─► wait (first come first served) ─► it         ("room")
       any wait longer than max_wait_s ─► sent anyway (its replica, or the router's choice)         ("timeout")
@@ -22,7 +23,8 @@ known.
 
 A conversation is *live* on its replica from its first admitted turn until it has had no turn in flight or waiting for
 ``idle_s`` (an agent's next turn comes within milliseconds; a human's, seconds later, enters again and usually finds
-its replica by affinity). Live conversations are kept in admission order; the *resident* ones are those that fit, taken
+its replica by affinity); one that has had a single turn so far (a lone question, or a first turn) stays only
+``first_idle_s``, so independent questions do not hold the cache for turns that never come. Live conversations are kept in admission order; the *resident* ones are those that fit, taken
 first fit in that order within ``fill`` times the replica's KV cache (the oldest always). Conversations grow, so a
 resident one may stop being resident when an older one grows: its turns then wait until the older ones end. A new
 conversation enters a replica only when every live one there (resident or waiting) plus it fit, so it never overtakes
@@ -39,14 +41,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
-FitReason = Literal["live", "resumed", "room", "timeout"]
-FIT_REASONS: tuple[FitReason, ...] = ("live", "resumed", "room", "timeout")
+FitReason = Literal["first", "live", "resumed", "room", "timeout"]
+FIT_REASONS: tuple[FitReason, ...] = ("first", "live", "resumed", "room", "timeout")
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_TOKENS_PER_CHAR = 0.25
 """Tokens per character before the first answer's usage is seen (about 4 characters per token)."""
@@ -77,6 +82,7 @@ class _Live:
     in_flight: int = 0
     waiting: int = 0
     idle_since: float | None = None
+    turns: int = 0
 
 
 @dataclass(slots=True, eq=False)
@@ -123,19 +129,23 @@ class CacheFit:
         *,
         fill: float = 0.9,
         idle_s: float = 0.5,
-        grace_s: float = 0.05,
+        first_idle_s: float = 0.1,
+        grace_s: float = 0.1,
         max_wait_s: float = 30.0,
         clock: Callable[[], float] = time.monotonic,
         observer: FitObserver | None = None,
     ) -> None:
         """``capacities``: each replica's KV cache in tokens (None: unknown, that replica admits everything);
-        ``fill``: the share of it the live footprints may take; ``grace_s``: a replica with no turn in flight for
-        this long takes the next new conversation even over ``fill`` (it would idle otherwise). No IO."""
+        ``fill``: the share of it the live footprints may take; ``idle_s``: how long a conversation with nothing in
+        flight stays live (``first_idle_s`` while it has had one turn: a single question frees its share soon);
+        ``grace_s``: a replica with no turn in flight for this long takes the next new conversation even over
+        ``fill`` (it would idle otherwise). No IO."""
         if not 0 < fill <= 1:
             raise ValueError("fill must be in (0, 1]")
         self.capacities = list(capacities)
         self.fill = fill
         self.idle_s = idle_s
+        self.first_idle_s = min(first_idle_s, idle_s)
         self.grace_s = grace_s
         self.max_wait_s = max_wait_s
         self._quiet_since: dict[int, float] = {}  # replica -> when its last turn in flight ended
@@ -173,14 +183,24 @@ class CacheFit:
         """A turn's footprint before the engine counted it: its prompt's characters and its answer's tokens."""
         return int(chars * self.tokens_per_char) + max(0, answer_tokens)
 
-    async def admit(self, key: str, chars: int, answer_tokens: int, ranked: Sequence[int]) -> FitSlot:
+    async def admit(self, key: str, chars: int, answer_tokens: int, ranked: Sequence[int], *,
+                    history: bool = True) -> FitSlot:
         """Admit one turn of conversation ``key`` (a prompt of ``chars`` characters, at most ``answer_tokens``
         generated), to one of ``ranked`` (the healthy replicas, the router's choice first). Waits while it may not
-        run (at most ``max_wait_s``); a cancelled wait leaves the queue."""
+        run (at most ``max_wait_s``); a cancelled wait leaves the queue.
+
+        ``history=False`` (a turn without conversation history: a lone question or a first turn) never waits: it
+        has no cached history to protect, and the router's prefix choice serves it best. It is counted (its
+        footprint is in the cache) on the router's choice (``"first"``)."""
         now = self._clock()
         self._expire(now)
         tokens = self.estimate(chars, answer_tokens)
         live = self._live.get(key)
+        if not history:
+            replica = live.replica if live is not None and live.replica in ranked else (ranked[0] if ranked else 0)
+            if live is not None and live.replica != replica:
+                del self._live[key]
+            return self._enter(key, tokens, replica, "first", 0.0, chars)
         if live is not None and ranked and live.replica not in ranked:  # its replica left rotation: start over
             del self._live[key]
             live = None
@@ -266,10 +286,14 @@ class CacheFit:
         if live is None:
             live = self._live[key] = _Live(replica, tokens)
         live.in_flight += 1
+        live.turns += 1
         live.idle_since = None
         live.footprint = max(live.footprint, tokens)
         self._quiet_since.pop(replica, None)
         self._observer.fit_admitted(reason, waited_s)
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug("admit %s -> %d (%s, waited %.3f s, %d tokens); live tokens %s", key, replica, reason, waited_s,
+                         tokens, [self.live_tokens(index) for index in range(len(self.capacities))])
         return FitSlot(self, key, replica, reason, waited_s, chars)
 
     def _end(self, slot: FitSlot, replica: int | None, prompt_tokens: int | None, answer_tokens: int) -> None:
@@ -292,9 +316,12 @@ class CacheFit:
     def _expire(self, now: float) -> None:
         gone = [key for key, live in self._live.items()
                 if live.in_flight == 0 and live.waiting == 0 and live.idle_since is not None
-                and now - live.idle_since >= self.idle_s]
+                and now - live.idle_since >= self._idle_window(live)]
         for key in gone:
             del self._live[key]
+
+    def _idle_window(self, live: _Live) -> float:
+        return self.idle_s if live.turns > 1 else self.first_idle_s
 
     def _pump(self) -> None:
         """Let the waiters run that may now: a live one once it is resident; new ones first come first served
@@ -358,7 +385,7 @@ class CacheFit:
             self._timer = None
         if not self.waiting:
             return
-        wakeups = [live.idle_since + self.idle_s for live in self._live.values()
+        wakeups = [live.idle_since + self._idle_window(live) for live in self._live.values()
                    if live.in_flight == 0 and live.idle_since is not None]
         wakeups += [quiet + self.grace_s for quiet in self._quiet_since.values()]
         if not wakeups:

@@ -359,7 +359,8 @@ class ProxyService:
                 return UNGATED, hint
             ranked = [first, *(index for index in healthy if index != first)]
         chars = sum(len(str(message.get("content") or "")) for message in payload.get("messages") or [])
-        slot = await fit.admit(key, chars, requested_answer_tokens(request, self.answer_reserve_tokens), ranked)
+        slot = await fit.admit(key, chars, requested_answer_tokens(request, self.answer_reserve_tokens), ranked,
+                               history=hint.sticky)
         moved = slot.replica != ranked[0] or slot.waited_s > 0  # placed elsewhere, or the router's view is stale
         if slot.reason != "room" or self.upstream or not moved:
             return slot, hint

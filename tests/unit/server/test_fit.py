@@ -56,7 +56,7 @@ def test_a_conversation_waits_while_no_replica_has_room_and_enters_when_one_ends
 
 def test_an_idle_conversation_holds_its_share_for_idle_s_then_frees_it() -> None:
     async def main() -> None:
-        fit = CacheFit([1000], fill=1.0, idle_s=0.2, grace_s=10.0)
+        fit = CacheFit([1000], fill=1.0, idle_s=0.2, first_idle_s=0.2, grace_s=10.0)
         a = await fit.admit("a", chars(700), 0, [0])
         a.end(0, 700, 0)
         waiting = asyncio.ensure_future(fit.admit("b", chars(700), 0, [0]))
@@ -149,7 +149,7 @@ def test_bad_fill_is_rejected() -> None:
 
 def test_a_conversation_outgrown_by_older_ones_waits_until_they_end_and_new_ones_do_not_overtake_it() -> None:
     async def main() -> None:
-        fit = CacheFit([1000], fill=1.0, idle_s=0.3, grace_s=10.0)  # the steps below take milliseconds
+        fit = CacheFit([1000], fill=1.0, idle_s=0.3, first_idle_s=0.3, grace_s=10.0)  # the steps below take milliseconds
         a = await fit.admit("a", chars(500), 0, [0])
         b = await fit.admit("b", chars(400), 0, [0])
         assert b.reason == "room"
@@ -173,7 +173,7 @@ def test_a_conversation_outgrown_by_older_ones_waits_until_they_end_and_new_ones
 
 def test_a_suspended_turn_runs_after_max_wait() -> None:
     async def main() -> None:
-        fit = CacheFit([1000], fill=1.0, idle_s=10.0, grace_s=10.0, max_wait_s=0.1)
+        fit = CacheFit([1000], fill=1.0, idle_s=10.0, first_idle_s=10.0, grace_s=10.0, max_wait_s=0.1)
         a = await fit.admit("a", chars(500), 0, [0])
         b = await fit.admit("b", chars(400), 0, [0])
         b.end(0, 400, 0)
@@ -186,11 +186,42 @@ def test_a_suspended_turn_runs_after_max_wait() -> None:
 
 def test_a_replica_idle_for_grace_s_takes_the_next_new_conversation_over_the_fill() -> None:
     async def main() -> None:
-        fit = CacheFit([1000], fill=1.0, idle_s=10.0, grace_s=0.1)
+        fit = CacheFit([1000], fill=1.0, idle_s=10.0, first_idle_s=10.0, grace_s=0.1)
         a = await fit.admit("a", chars(900), 0, [0])
         a.end(0, 900, 0)  # a is live (idle_s 10) but nothing is in flight on replica 0
         b = await asyncio.wait_for(fit.admit("b", chars(900), 0, [0]), 1.0)
         assert b.reason == "room" and 0.05 <= b.waited_s < 1.0  # woken by the grace, not a's expiry
         assert fit.live_conversations(0) == 2
+
+    asyncio.run(main())
+
+
+def test_a_lone_question_frees_its_share_after_first_idle_s_a_conversation_after_idle_s() -> None:
+    async def main() -> None:
+        fit = CacheFit([1000, 1000], fill=1.0, idle_s=10.0, first_idle_s=0.1, grace_s=10.0)
+        lone = await fit.admit("lone", chars(900), 0, [0])
+        lone.end(0, 900, 0)
+        talk = await fit.admit("talk", chars(400), 0, [1])
+        talk.end(1, 400, 0)
+        talk = await fit.admit("talk", chars(800), 0, [1])  # a second turn: now it holds its share for idle_s
+        talk.end(1, 800, 0)
+        await asyncio.sleep(0.2)
+        first = await asyncio.wait_for(fit.admit("x", chars(900), 0, [0, 1]), 1.0)
+        assert (first.replica, first.waited_s) == (0, 0.0)  # the lone question's share is free
+        second = asyncio.ensure_future(fit.admit("y", chars(900), 0, [1, 0]))
+        await asyncio.sleep(0.2)
+        assert not second.done()  # "talk" still holds replica 1, "x" replica 0
+        second.cancel()
+
+    asyncio.run(main())
+
+
+def test_a_turn_without_history_never_waits_and_is_counted_on_the_routers_choice() -> None:
+    async def main() -> None:
+        fit = CacheFit([1000, 1000], fill=1.0, grace_s=10.0)
+        await fit.admit("a", chars(900), 0, [0, 1])
+        lone = await asyncio.wait_for(fit.admit("q", chars(900), 0, [0, 1], history=False), 0.5)
+        assert (lone.replica, lone.reason, lone.waited_s) == (0, "first", 0.0)  # the router's choice, over the fill
+        assert fit.live_tokens(0) == 1800 and fit.waiting == 0
 
     asyncio.run(main())
