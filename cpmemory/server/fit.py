@@ -197,10 +197,10 @@ class CacheFit:
         tokens = self.estimate(chars, answer_tokens)
         live = self._live.get(key)
         if not history:
-            replica = live.replica if live is not None and live.replica in ranked else (ranked[0] if ranked else 0)
-            if live is not None and live.replica != replica:
+            first = live.replica if live is not None and live.replica in ranked else (ranked[0] if ranked else 0)
+            if live is not None and live.replica != first:
                 del self._live[key]
-            return self._enter(key, tokens, replica, "first", 0.0, chars)
+            return self._enter(key, tokens, first, "first", 0.0, chars)
         if live is not None and ranked and live.replica not in ranked:  # its replica left rotation: start over
             del self._live[key]
             live = None
