@@ -85,3 +85,23 @@ async def test_every_block_reaches_the_engine_while_turns_wait(make_proxy) -> No
         blocks = [(block["id"], block["text"]) for block in body(conversation, turn)["cpmemory"]["blocks"]]
         report = check_no_loss(blocks, request["body"]["messages"])
         assert report.ok, report
+
+
+def test_serve_flags_reach_admission(monkeypatch) -> None:
+    import uvicorn
+    from typer.testing import CliRunner
+
+    from cpmemory.cli import app as cli
+
+    served: list[Any] = []
+    monkeypatch.setattr(uvicorn, "run", lambda app, **options: served.append(app))
+    runner = CliRunner()
+    result = runner.invoke(cli, ["serve", "--engine", "http://127.0.0.1:9", "--engine", "http://127.0.0.1:10",
+                                 "--replica-cache-tokens", "4096", "--fit-max-wait", "7", "--fit-idle-ms", "250"])
+    assert result.exit_code == 0, result.output
+    fit = served[0].state.service.fit
+    assert fit.capacities == [4096, 4096] and fit.max_wait_s == 7 and fit.idle_s == pytest.approx(0.25)
+    assert runner.invoke(cli, ["serve", "--engine", "http://127.0.0.1:9", "--no-fit"]).exit_code == 0
+    assert served[1].state.service.fit is None
+    result = runner.invoke(cli, ["serve", "--engine", "http://127.0.0.1:9", "--fit-max-wait", "0"])
+    assert result.exit_code == 2 and len(served) == 2
