@@ -56,14 +56,14 @@ def test_a_conversation_waits_while_no_replica_has_room_and_enters_when_one_ends
 
 def test_an_idle_conversation_holds_its_share_for_idle_s_then_frees_it() -> None:
     async def main() -> None:
-        fit = CacheFit([1000], fill=1.0, idle_s=0.2, first_idle_s=0.2, grace_s=10.0)
+        fit = CacheFit([1000], fill=1.0, idle_s=0.6, first_idle_s=0.6, grace_s=10.0)
         a = await fit.admit("a", chars(700), 0, [0])
         a.end(0, 700, 0)
         waiting = asyncio.ensure_future(fit.admit("b", chars(700), 0, [0]))
         await asyncio.sleep(0.1)
         assert not waiting.done()  # a may still send its next turn
-        b = await asyncio.wait_for(waiting, 1.0)  # woken by a's expiry, with nothing else happening
-        assert b.reason == "room" and b.waited_s >= 0.15
+        b = await asyncio.wait_for(waiting, 3.0)  # woken by a's expiry, with nothing else happening
+        assert b.reason == "room" and b.waited_s >= 0.45
         assert fit.live_conversations(0) == 1
 
     asyncio.run(main())
@@ -149,7 +149,7 @@ def test_bad_fill_is_rejected() -> None:
 
 def test_a_conversation_outgrown_by_older_ones_waits_until_they_end_and_new_ones_do_not_overtake_it() -> None:
     async def main() -> None:
-        fit = CacheFit([1000], fill=1.0, idle_s=0.3, first_idle_s=0.3, grace_s=10.0)  # the steps below take milliseconds
+        fit = CacheFit([1000], fill=1.0, idle_s=1.0, first_idle_s=1.0, grace_s=10.0)  # the steps below take milliseconds
         a = await fit.admit("a", chars(500), 0, [0])
         b = await fit.admit("b", chars(400), 0, [0])
         assert b.reason == "room"
@@ -164,9 +164,9 @@ def test_a_conversation_outgrown_by_older_ones_waits_until_they_end_and_new_ones
         await asyncio.sleep(0.02)
         assert not c.done()  # 900 + 400 + 50 > 1000: a new conversation does not overtake b
         a2.end(0, 950, 0)  # a's last turn: a leaves once idle for idle_s
-        resumed = await asyncio.wait_for(b_next, 1.0)
+        resumed = await asyncio.wait_for(b_next, 3.0)
         assert (resumed.replica, resumed.reason) == (0, "resumed") and resumed.waited_s > 0
-        assert (await asyncio.wait_for(c, 1.0)).reason == "room"  # 400 + 50 fit now
+        assert (await asyncio.wait_for(c, 3.0)).reason == "room"  # 400 + 50 fit now
 
     asyncio.run(main())
 

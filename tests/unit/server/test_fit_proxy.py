@@ -43,7 +43,7 @@ async def fit_counts(proxy: Any) -> dict[str, float]:
 
 @pytest.mark.parametrize("stream", [False, True])
 async def test_a_later_turn_waits_while_an_older_conversation_fills_its_replica(make_proxy, stream: bool) -> None:
-    proxy = make_proxy(1, replica_cache_tokens=CACHE_TOKENS, fit_idle_ms=IDLE_MS)
+    proxy = make_proxy(1, replica_cache_tokens=CACHE_TOKENS, fit_idle_ms=IDLE_MS, fit_first_idle_ms=IDLE_MS)
     for turn in (1, 2):
         await post(proxy, "a", turn, stream)  # a is live, with two turns: it holds its share for fit_idle_ms
     waited_first, _ = await post(proxy, "b", 1, stream)
@@ -56,7 +56,8 @@ async def test_a_later_turn_waits_while_an_older_conversation_fills_its_replica(
 
 
 async def test_turns_that_fit_together_do_not_wait(make_proxy) -> None:
-    proxy = make_proxy(1, replica_cache_tokens=10 * CACHE_TOKENS, fit_idle_ms=IDLE_MS)
+    proxy = make_proxy(1, replica_cache_tokens=10 * CACHE_TOKENS, fit_idle_ms=IDLE_MS,
+                       fit_first_idle_ms=IDLE_MS)
     for turn in (1, 2):
         for conversation in ("a", "b"):
             waited, _ = await post(proxy, conversation, turn)
@@ -105,3 +106,17 @@ def test_serve_flags_reach_admission(monkeypatch) -> None:
     assert served[1].state.service.fit is None
     result = runner.invoke(cli, ["serve", "--engine", "http://127.0.0.1:9", "--fit-max-wait", "0"])
     assert result.exit_code == 2 and len(served) == 2
+
+
+def test_admission_is_sized_per_replica_or_as_one_pool_behind_a_gateway() -> None:
+    from cpmemory.server.app import ServerConfig, build_fit
+    from cpmemory.server.metrics import ProxyMetrics
+
+    engines = ["http://e0", "http://e1"]
+    direct = build_fit(ServerConfig(engines=engines, replica_cache_tokens=1000), ProxyMetrics(2))
+    assert direct is not None and direct.capacities == [1000, 1000]
+    gateway = build_fit(ServerConfig(engines=engines, upstream="http://gw", replica_cache_tokens=1000), ProxyMetrics(1))
+    assert gateway is not None and gateway.capacities == [2000]
+    unsized = build_fit(ServerConfig(engines=engines), ProxyMetrics(2))
+    assert unsized is not None and not unsized.sized  # until the engines' /metrics give the sizes
+    assert build_fit(ServerConfig(engines=engines, fit=False), ProxyMetrics(2)) is None
