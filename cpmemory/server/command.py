@@ -16,7 +16,8 @@ API keys map to tenants: ``--api-key KEY=TENANT`` (repeatable) or ``--api-keys-f
 ``{"KEY": "TENANT"}``, which keeps keys out of the process list). Without keys every caller is tenant ``default``.
 
 ``--max-in-flight N [--hold-ms MS]`` turns on the hold-and-release queue (cpmemory.server.hold). Cache-fit
-admission (cpmemory.server.fit) is on by default: ``--no-fit`` turns it off, ``--fit-max-wait S`` bounds a wait.
+admission (cpmemory.server.fit) is on by default: ``--no-fit`` turns it off, ``--fit-max-wait S`` bounds a wait,
+``--fit-fill F`` sets the share of each replica's cache it fills.
 """
 from __future__ import annotations
 
@@ -94,6 +95,9 @@ def command(
         _FIELDS["fit"].default, "--fit/--no-fit",
         help="Cache-fit admission: a replica takes a new conversation only while the conversations it serves fit its "
         "KV cache (size from the engine's /metrics); the others wait, first come first served."),
+    fit_fill: float = typer.Option(_FIELDS["fit_fill"].default, "--fit-fill",
+                                   help="The share of a replica's KV cache live conversations may take (about "
+                                   "0.9 / K with K proxy workers in front of the same replicas)."),
     fit_max_wait: float = typer.Option(_FIELDS["fit_max_wait_s"].default, "--fit-max-wait",
                                        help="The longest a turn waits for room in a replica's cache, in seconds."),
     fit_idle_ms: float = typer.Option(_FIELDS["fit_idle_ms"].default, "--fit-idle-ms",
@@ -126,7 +130,7 @@ def command(
             engine_timeout_s=engine_timeout, kv_events=kv_events,
             upstream=upstream, router=RouterConfig(policy=router_policy),  # type: ignore[arg-type]
             replica_cache_tokens=replica_cache_tokens, max_in_flight=max_in_flight, hold_ms=hold_ms,
-            fit=fit, fit_max_wait_s=fit_max_wait, fit_idle_ms=fit_idle_ms,
+            fit=fit, fit_fill=fit_fill, fit_max_wait_s=fit_max_wait, fit_idle_ms=fit_idle_ms,
         )
     except ValidationError as error:
         raise typer.BadParameter(str(error)) from error

@@ -98,14 +98,17 @@ def test_serve_flags_reach_admission(monkeypatch) -> None:
     monkeypatch.setattr(uvicorn, "run", lambda app, **options: served.append(app))
     runner = CliRunner()
     result = runner.invoke(cli, ["serve", "--engine", "http://127.0.0.1:9", "--engine", "http://127.0.0.1:10",
-                                 "--replica-cache-tokens", "4096", "--fit-max-wait", "7", "--fit-idle-ms", "250"])
+                                 "--replica-cache-tokens", "4096", "--fit-max-wait", "7", "--fit-idle-ms", "250",
+                                 "--fit-fill", "0.45"])
     assert result.exit_code == 0, result.output
     fit = served[0].state.service.fit
     assert fit.capacities == [4096, 4096] and fit.max_wait_s == 7 and fit.idle_s == pytest.approx(0.25)
+    assert fit.fill == pytest.approx(0.45)
     assert runner.invoke(cli, ["serve", "--engine", "http://127.0.0.1:9", "--no-fit"]).exit_code == 0
     assert served[1].state.service.fit is None
-    result = runner.invoke(cli, ["serve", "--engine", "http://127.0.0.1:9", "--fit-max-wait", "0"])
-    assert result.exit_code == 2 and len(served) == 2
+    for bad in (["--fit-max-wait", "0"], ["--fit-fill", "1.5"]):
+        result = runner.invoke(cli, ["serve", "--engine", "http://127.0.0.1:9", *bad])
+        assert result.exit_code == 2 and len(served) == 2
 
 
 def test_admission_is_sized_per_replica_or_as_one_pool_behind_a_gateway() -> None:
