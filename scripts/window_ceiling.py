@@ -74,8 +74,8 @@ def best_of_both(self: OnlineOrderer, contexts: Sequence[Sequence[Hashable]], si
 def _trie_tokens(orderer: OnlineOrderer, plan: Plan, size_of: list[dict[Hashable, float]]) -> float:
     """Recency-weighted tokens each request finds along its order in the trie, the earlier ones recorded (undone)."""
     schedule, orders = plan
-    undo, clock, total = [], orderer._clock, 0.0
-    try:
+    total = 0.0
+    with orderer.tentatively() as record:
         for position in schedule:
             node = orderer._root
             for key in orders[position]:
@@ -84,15 +84,7 @@ def _trie_tokens(orderer: OnlineOrderer, plan: Plan, size_of: list[dict[Hashable
                     break
                 total += size_of[position][key] / (1.0 + (orderer._clock - child.last) / RECENCY_SCALE)
                 node = child
-            orderer._clock += 1
-            undo.extend(orderer._tentative(orders[position]))
-    finally:
-        for node, last, created in reversed(undo):
-            node.count -= 1
-            node.last = last
-            if created:
-                del node.parent.children[node.key]
-        orderer._clock = clock
+            record(orders[position])
     return total
 
 

@@ -36,8 +36,9 @@ Not thread-safe: the facade serialises access (one orderer per tenant, behind th
 
 from __future__ import annotations
 
+import contextlib
 from collections import Counter, OrderedDict
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 
 from cpmemory.errors import InvalidInputError
 
@@ -201,15 +202,36 @@ class OnlineOrderer:
             raise InvalidInputError("plan_window needs one size list per context")
         ordinals = [self.observe(keys) for keys in contexts]
         orders: list[list[Hashable]] = [list(keys) for keys in contexts]
-        undo: list[tuple[_TrieNode, int, bool]] = []
-        clock = self._clock
-        try:
+        with self.tentatively() as record:
             for position, keys in enumerate(contexts):
                 if not keys:
                     continue
                 orders[position] = self.order(keys, sizes[position], ordinals[position])
-                self._clock += 1
-                undo.extend(self._tentative(orders[position]))
+                record(orders[position])
+        return list(range(len(contexts))), orders
+
+    @contextlib.contextmanager
+    def tentatively(self) -> Iterator[Callable[[Sequence[Hashable]], None]]:
+        """Yield ``record(order)``: the order is put in the trie as if sent (the clock advances) until the block
+        ends, when the trie and the clock are restored exactly (so a window can be planned and then undone)."""
+        undo: list[tuple[_TrieNode, int, bool]] = []
+        clock = self._clock
+
+        def record(order: Sequence[Hashable]) -> None:
+            self._clock += 1
+            node = self._root
+            for key in order:
+                child = node.children.get(key)
+                created = child is None
+                if child is None:
+                    child = node.children[key] = _TrieNode(key, node)
+                undo.append((child, child.last, created))
+                child.count += 1
+                child.last = self._clock
+                node = child
+
+        try:
+            yield record
         finally:
             for node, last, created in reversed(undo):
                 node.count -= 1
@@ -217,21 +239,6 @@ class OnlineOrderer:
                 if created:
                     del node.parent.children[node.key]  # type: ignore[union-attr]
             self._clock = clock
-        return list(range(len(contexts))), orders
-
-    def _tentative(self, order: Sequence[Hashable]) -> list[tuple[_TrieNode, int, bool]]:
-        changes = []
-        node = self._root
-        for key in order:
-            child = node.children.get(key)
-            created = child is None
-            if child is None:
-                child = node.children[key] = _TrieNode(key, node)
-            changes.append((child, child.last, created))
-            child.count += 1
-            child.last = self._clock
-            node = child
-        return changes
 
     # ------------------------------------------------------------------------------------------------ recording
     def record(self, order: Sequence[Hashable], request_id: Hashable) -> tuple[Hashable, ...]:
