@@ -166,6 +166,11 @@ class CacheFit:
         """Turns waiting for room now."""
         return sum(1 for waiter in self._waiters if not waiter.future.done())
 
+    def replica_of(self, key: str) -> int | None:
+        """The replica conversation ``key`` is live on, or None."""
+        live = self._live.get(key)
+        return None if live is None else live.replica
+
     def live_tokens(self, replica: int) -> int:
         """The footprints of the conversations live on ``replica`` (idle ones included until they expire)."""
         return sum(live.footprint for live in self._live.values() if live.replica == replica)

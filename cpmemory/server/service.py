@@ -352,6 +352,8 @@ class ProxyService:
             return UNGATED, hint
         if self.upstream:  # the gateway picks the replica: one pool, the fleet's cache
             ranked = [0]
+        elif hint.sticky and fit.replica_of(key) in healthy:  # a live conversation stays: no routing choice needed
+            ranked = healthy
         else:
             try:
                 first = router.choose(key, prompt=hint.prompt, sticky=hint.sticky).index
