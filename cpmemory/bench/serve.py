@@ -229,6 +229,54 @@ def _ms(value: float | None) -> str:
     return "-" if value is None else f"{value:,.0f}"
 
 
+def sweep_rows(reports: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per rate of a sweep: the rate, both speed-ups and each strategy's exact figures."""
+    return [{"rate": one["settings"]["rate"], "ttft_mean_speedup": one["ttft_mean_speedup"],
+             "throughput_speedup": one["throughput_speedup"], "strategies": one["strategies"]} for one in reports]
+
+
+def print_sweep(report: dict[str, Any], console: Any) -> None:
+    """TTFT mean / p90 per strategy at each rate of a sweep, and the mean speed-up."""
+    from rich.table import Table
+
+    names = list(report["strategies"])
+    table = Table(title=f"bench serve {report['workload']}: TTFT by arrival rate")
+    table.add_column("rate /s", justify="right")
+    for name in names:
+        table.add_column(f"{name} TTFT mean / p90 ms", justify="right")
+        table.add_column(f"{name} req/s", justify="right")
+    table.add_column("TTFT mean speed-up", justify="right")
+    for row in report["sweep"]:
+        cells = [f"{row['rate']:g}"]
+        for name in names:
+            s = row["strategies"][name]
+            cells += [f"{_ms(s['ttft_mean_ms'])} / {_ms(s['ttft_p90_ms'])}", f"{s['throughput_rps']:.3f}"]
+        table.add_row(*cells, f"x{row['ttft_mean_speedup']}")
+    console.print(table)
+
+
+def plot_sweep(report: dict[str, Any], path: Path) -> None:
+    """Write TTFT mean (solid) and p90 (dashed) against the arrival rate, per strategy, as a PNG."""
+    from cpmemory.bench.report import _pyplot
+
+    plt = _pyplot()
+    figure, axis = plt.subplots(figsize=(7, 4.5))
+    rates = [row["rate"] for row in report["sweep"]]
+    for name in report["strategies"]:
+        for key, style in (("ttft_mean_ms", "-"), ("ttft_p90_ms", "--")):
+            values = [(row["strategies"][name][key] or float("nan")) / 1000.0 for row in report["sweep"]]
+            axis.plot(rates, values, style, marker="o", label=f"{name} {key.split('_')[1]}",
+                      linewidth=2.4 if name == "cpmemory" else 1.4)
+    axis.set(xlabel="arrival rate (requests/s, Poisson)", ylabel="time to first token (s)",
+             title=f"{report['workload']}: TTFT by arrival rate")
+    axis.grid(alpha=0.3)
+    axis.legend()
+    figure.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
 def plot_cdf(report: dict[str, Any], runs_ttft: dict[str, list[float]], path: Path) -> None:
     """Write the TTFT CDF per strategy as a PNG."""
     import numpy as np
@@ -267,7 +315,8 @@ def command(
     proxy: str | None = typer.Option(None, "--proxy", help="Use a running cpmemory proxy instead of starting one."),
     kv_events: Annotated[list[str] | None, typer.Option("--kv-events", help="KV-event endpoint per --engine.")] = None,
     concurrency: int = typer.Option(DEFAULT_CONCURRENCY, "--concurrency", min=1, help="Concurrent clients."),
-    rate: float | None = typer.Option(None, "--rate", min=0.001, help="Poisson arrivals per second instead."),
+    rate: Annotated[list[float] | None, typer.Option(
+        "--rate", min=0.001, help="Poisson arrivals per second instead (repeat for a sweep: one run per rate).")] = None,
     requests: int = typer.Option(DEFAULT_REQUESTS, "--requests", min=1, help="Requests per strategy."),
     max_turns: int = typer.Option(DEFAULT_MAX_TURNS, "--max-turns", min=1, help="Turns kept per session."),
     max_tokens: int = typer.Option(8, "--max-tokens", min=1, help="Tokens generated per request."),
@@ -292,25 +341,39 @@ def command(
         trace = _load(trace_file, workload, data_dir, multi_turn)
         settings = ServeSettings(
             engines=tuple(engine), upstream=upstream, proxy=proxy, kv_events=tuple(kv_events or ()),
-            concurrency=concurrency, rate=rate, requests=requests, max_turns=max_turns, max_tokens=max_tokens,
+            concurrency=concurrency, rate=min(rate) if rate else None, requests=requests, max_turns=max_turns, max_tokens=max_tokens,
             timeout_s=timeout, engine_timeout_s=engine_timeout, model=model, seed=seed, rounds=rounds,
             strategies=tuple(s.strip() for s in strategies.split(",") if s.strip()))
         if settings.kv_events and len(settings.kv_events) != len(settings.engines):
             raise CpMemoryError("give one --kv-events endpoint per --engine, in the same order")
-        ttfts: dict[str, list[float]] = {name: [] for name in settings.strategies}
-        total = min(requests, len(trace.requests)) * len(settings.strategies) * rounds
+        if len(set(rate or ())) != len(rate or ()):
+            raise CpMemoryError("give each --rate once")
+        rates: list[float | None] = sorted(rate) if rate else [None]
+        total = min(requests, len(trace.requests)) * len(settings.strategies) * rounds * len(rates)
+        reports, ttfts = [], {}
         with report_module.progress_bar(total, f"serve {trace.name}") as advance:
-            def progress(name: str, outcome: Outcome) -> None:
-                if outcome.ttft_ms is not None:
-                    ttfts[name].append(outcome.ttft_ms)
-                advance(1)
+            for one_rate in rates:
+                ttfts = {name: [] for name in settings.strategies}  # the CDF plots the last (highest) rate
 
-            report = asyncio.run(run_serve(trace, settings, progress))
+                def progress(name: str, outcome: Outcome, ttfts: dict[str, list[float]] = ttfts) -> None:
+                    if outcome.ttft_ms is not None:
+                        ttfts[name].append(outcome.ttft_ms)
+                    advance(1)
+
+                reports.append(asyncio.run(run_serve(trace, settings.model_copy(update={"rate": one_rate}), progress)))
     except (CpMemoryError, ImportError, ValueError) as exc:
         err.print(f"[red]error:[/] {escape(str(exc))}", soft_wrap=True)
         raise typer.Exit(code=2) from exc
+    report = reports[-1] if len(reports) == 1 else {**reports[-1], "sweep": sweep_rows(reports)}
+    console = Console(stderr=True, width=160) if json_output else Console(width=160)
     if plot is not None:
-        plot_cdf(report, ttfts, plot)
-    print_table(report, Console(stderr=True, width=160) if json_output else Console(width=160))
+        if len(reports) > 1:
+            plot_sweep(report, plot)
+        else:
+            plot_cdf(report, ttfts, plot)
+    for one in reports:
+        print_table(one, console)
+    if len(reports) > 1:
+        print_sweep(report, console)
     if json_output:
         sys.stdout.write(report_module.json_line(report) + "\n")

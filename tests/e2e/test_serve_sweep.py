@@ -1,0 +1,34 @@
+"""``bench serve --rate R1 --rate R2``: one run per arrival rate against real engine processes (mock replicas)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+
+def test_a_rate_sweep_runs_every_rate_and_reports_each(processes, tmp_path):
+    engines = [processes.engine().start(), processes.engine().start()]
+    plot = tmp_path / "sweep.png"
+    args = [sys.executable, "-m", "cpmemory.cli", "bench", "serve", "--workload", "synthetic", "--requests", "6",
+            "--rate", "40", "--rate", "20", "--timeout", "20", "--engine-timeout", "5", "--json", "--plot", str(plot)]
+    for engine in engines:
+        args += ["--engine", engine.url]
+    done = subprocess.run(args, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    rows = report["sweep"]
+    assert [row["rate"] for row in rows] == [20.0, 40.0]  # ascending, each rate once
+    for row in rows:
+        for figures in row["strategies"].values():
+            assert figures["errors"] == 0 and figures["lost_blocks"] == 0 and figures["prompt_tokens"] > 0
+    assert report["settings"]["rate"] == 40.0 and report["strategies"] == rows[-1]["strategies"]
+    assert plot.stat().st_size > 0
+    assert "TTFT by arrival rate" in done.stderr
+
+
+def test_a_repeated_rate_is_an_error(processes):
+    engine = processes.engine().start()
+    done = subprocess.run([sys.executable, "-m", "cpmemory.cli", "bench", "serve", "--workload", "synthetic",
+                           "--engine", engine.url, "--rate", "2", "--rate", "2"], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 2 and "each --rate once" in done.stderr
