@@ -214,6 +214,7 @@ export CPM_VLLM_NAME_2=cpm-main-2
 export CPM_VLLM_SMALL_URL=http://127.0.0.1:18102
 export CPM_VLLM_SMALL_KV_ENDPOINT=tcp://127.0.0.1:15602
 export CPM_VLLM_SH=$HERE/vllm.sh
+export CPM_VLLM_MODEL=$MODEL
 ENV
   log "servers up; environment in $CI_ENV"
 }

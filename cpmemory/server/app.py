@@ -146,10 +146,11 @@ def create_app(
     service.upstream = config.upstream is not None
     service.hold = build_hold(config, service.memory, router, metrics)
     service.fit = build_fit(config, metrics)
+    tokenizer = build_tokenizer(config)
     http_client = getattr(dispatcher.transport, "client", None)
     if config.prompt_budget and http_client is not None:
         settings = EngineSettings(base_url=targets[0], timeout_s=min(5.0, config.engine_timeout_s))
-        service.engine_budget = EngineBudget(AsyncEngineClient(settings, http=http_client))
+        service.engine_budget = EngineBudget(AsyncEngineClient(settings, http=http_client), tokenizer)
         service.answer_reserve_tokens = config.answer_reserve_tokens
 
     @contextlib.asynccontextmanager
@@ -163,7 +164,7 @@ def create_app(
             from cpmemory.server.kv_sync import KVSyncHub
 
             event_view = router.view if isinstance(router.view, EventPrefixView) else None
-            service.kv_sync = KVSyncHub(service.memory, config.engines, config.kv_events, event_view)
+            service.kv_sync = KVSyncHub(service.memory, config.engines, config.kv_events, event_view, tokenizer)
             await service.kv_sync.start()
         try:
             yield
@@ -238,6 +239,16 @@ async def size_fit(fit: CacheFit, config: ServerConfig) -> None:
     for replica, size in enumerate(sizes):
         if size is not None:
             fit.set_capacity(replica, size)
+
+
+def build_tokenizer(config: ServerConfig) -> Any:
+    """The served model's tokenizer when ``config.tokenizer`` names one (loaded now: a bad path fails the start
+    with InvalidInputError), else None (the replicas' ``/tokenize`` is asked)."""
+    if config.tokenizer is None:
+        return None
+    from cpmemory.engines.local_tokenizer import LocalTokenizer
+
+    return LocalTokenizer(config.tokenizer)
 
 
 def build_view(config: ServerConfig) -> PrefixView | None:

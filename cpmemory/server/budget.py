@@ -71,10 +71,12 @@ class EngineBudget:
     Args:
         client: an :class:`~cpmemory.engines.client.AsyncEngineClient` of the engine (or gateway) asked for
             ``/v1/models`` and ``/tokenize`` (the proxy's: on its transport's connection pool).
+        tokenizer: a local tokenizer of the served model (``LocalTokenizer``) that counts instead of ``/tokenize``.
     """
 
-    def __init__(self, client: Any) -> None:
+    def __init__(self, client: Any, tokenizer: Any = None) -> None:
         self._client = client
+        self._tokenizer = tokenizer
         self._limits: dict[str, EngineLimits] = {}
         self._ratio: dict[str, tuple[int, float]] = {}  # model -> (prompts counted, largest engine/planned ratio)
 
@@ -111,7 +113,8 @@ class EngineBudget:
     async def count(self, model: str, messages: Sequence[Mapping[str, str]]) -> int | None:
         """The engine's token count of a chat prompt (template applied), or None when ``/tokenize`` fails."""
         try:
-            return len(await self._client.tokenize([dict(m) for m in messages], model=model))
+            counter = self._tokenizer if self._tokenizer is not None else self._client
+            return len(await counter.tokenize([dict(m) for m in messages], model=model))
         except Exception as error:  # noqa: BLE001 - counted as "no /tokenize"
             logger.debug("POST /tokenize failed: %s", error)
             return None

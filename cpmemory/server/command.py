@@ -27,6 +27,7 @@ from typing import Annotated
 
 import typer
 
+from cpmemory.errors import InvalidInputError, MissingDependencyError
 from cpmemory.routing.router import RouterConfig
 from cpmemory.server.config import SERVER_REDIS, ServerConfig
 from cpmemory.stores.redis_store import RedisStoreConfig
@@ -72,6 +73,11 @@ def command(
     kv_events: Annotated[list[str] | None, typer.Option(
         "--kv-events", help="vLLM KV-event endpoint (tcp://HOST:PORT) of each engine, in --engine order."
     )] = None,
+    tokenizer: str | None = typer.Option(
+        None, "--tokenizer", show_default=False,
+        help="The served model's tokenizer (a directory or Hugging Face id; needs cpmemory[tokenizer]): prompts are "
+        "tokenized in the proxy for --kv-events routing, eviction sync and the prompt budget, instead of by each "
+        "engine's /tokenize."),
     api_key: Annotated[list[str] | None, typer.Option("--api-key", help="KEY=TENANT (repeatable).")] = None,
     api_keys_file: Annotated[Path | None, typer.Option("--api-keys-file", help="JSON object {KEY: TENANT}.")] = None,
     redis_prefix: str = typer.Option(SERVER_REDIS.prefix, "--redis-prefix", help="Key prefix in Redis."),
@@ -127,11 +133,15 @@ def command(
         config = ServerConfig(
             engines=engine, redis_url=redis, redis=RedisStoreConfig.model_validate(redis_config.model_dump()),
             api_keys=parse_api_keys(api_key, api_keys_file), cache_salt_secret=cache_salt_secret,
-            engine_timeout_s=engine_timeout, kv_events=kv_events,
+            engine_timeout_s=engine_timeout, kv_events=kv_events, tokenizer=tokenizer,
             upstream=upstream, router=RouterConfig(policy=router_policy),  # type: ignore[arg-type]
             replica_cache_tokens=replica_cache_tokens, max_in_flight=max_in_flight, hold_ms=hold_ms,
             fit=fit, fit_fill=fit_fill, fit_max_wait_s=fit_max_wait, fit_idle_ms=fit_idle_ms,
         )
+        app = create_app(config)
     except ValidationError as error:
         raise typer.BadParameter(str(error)) from error
-    uvicorn.run(create_app(config), host=host, port=port, log_level=log_level)
+    except (InvalidInputError, MissingDependencyError) as error:
+        typer.echo(f"error: {error}", err=True)
+        raise typer.Exit(code=2) from error
+    uvicorn.run(app, host=host, port=port, log_level=log_level)

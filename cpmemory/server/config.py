@@ -37,6 +37,8 @@ class ServerConfig(BaseModel):
         router: routing policy and thresholds (prefix-aware by default).
         kv_events: vLLM KV-event endpoints (``tcp://host:port``), one per engine, for eviction sync (and, when not
             behind a gateway, for the router's view of what each replica caches).
+        tokenizer: the served model's tokenizer (directory or Hugging Face id): the proxy tokenizes prompts itself
+            (``cpmemory.engines.local_tokenizer``) instead of asking each engine's ``/tokenize``.
         upstream: a gateway (vllm-router, llm-d, an SGLang router) that picks the replica; every call goes there.
             ``engines`` are then the replicas behind it, used only for ``/tokenize`` and cache config with
             ``kv_events`` (eviction sync); they may be left empty without ``kv_events``.
@@ -70,6 +72,7 @@ class ServerConfig(BaseModel):
     engine_timeout_s: float = Field(default=120.0, gt=0)
     router: RouterConfig = Field(default_factory=RouterConfig)
     kv_events: list[str] = Field(default_factory=list, description="KV-event endpoint per engine, in order")
+    tokenizer: str | None = Field(default=None, description="the served model's tokenizer (path or HF id)")
     upstream: str | None = Field(default=None, description="a gateway that picks the replica")
     replica_cache_tokens: int = Field(default=1_000_000, ge=0, description="per replica, for the sent view")
     prompt_budget: bool = True

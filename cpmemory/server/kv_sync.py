@@ -11,10 +11,11 @@ failures only cost reuse (the leaf stays until the index's own cap evicts it) an
 
 With prefix-aware routing the same subscribers also feed an :class:`~cpmemory.routing.prefix.EventPrefixView`
 (what each replica caches, from its events); the proxy then tokenizes a prompt *before* routing it
-(:meth:`KVSyncHub.prompt_blocks`, one ``/tokenize`` call), scores the replicas by the engine's own block hashes, and
-registers those hashes for eviction sync without a second call. Behind a gateway (``--upstream``) the proxy does not
-know which replica served a request, so a prompt is registered with every replica's sync: its leaf is evicted as
-soon as any replica drops one of its blocks (conservative: costs reuse, never claims a cached prefix that is gone).
+(:meth:`KVSyncHub.prompt_blocks`, one ``/tokenize`` call, or none with a local tokenizer: ``--tokenizer``), scores
+the replicas by the engine's own block hashes, and registers those hashes for eviction sync without a second call.
+Behind a gateway (``--upstream``) the proxy does not know which replica served a request, so a prompt is registered
+with every replica's sync: its leaf is evicted as soon as any replica drops one of its blocks (conservative: costs
+reuse, never claims a cached prefix that is gone).
 """
 from __future__ import annotations
 
@@ -48,6 +49,8 @@ class KVSyncHub:
         engines: the replicas' base URLs (``/tokenize`` and ``/metrics`` are called there).
         endpoints: their KV-event endpoints, in the same order.
         view: a prefix view fed by the same events (None: eviction sync only).
+        tokenizer: a :class:`~cpmemory.engines.local_tokenizer.LocalTokenizer` of the served model: prompts are
+            tokenized here instead of by the replica's ``/tokenize`` (None: ask the replica).
         failures: registrations or tokenizations that failed (they only cost reuse).
     """
 
@@ -55,6 +58,7 @@ class KVSyncHub:
     engines: Sequence[str]
     endpoints: Sequence[str]
     view: Any = None
+    tokenizer: Any = None
     failures: int = 0
     _replicas: dict[int, _Replica] = field(default_factory=dict)
     _pending: set[asyncio.Task] = field(default_factory=set)
@@ -111,7 +115,7 @@ class KVSyncHub:
             return None
         state = usable[0]
         try:
-            tokens = await asyncio.wait_for(state.client.tokenize(
+            tokens = await asyncio.wait_for(self._tokenizer_of(state).tokenize(
                 payload.get("messages") or [], model=str(payload.get("model", ""))), TOKENIZE_TIMEOUT_S)
         except (CpMemoryError, asyncio.TimeoutError) as error:
             self.failures += 1
@@ -145,11 +149,16 @@ class KVSyncHub:
     async def _register(self, state: _Replica, request_id: str, payload: Mapping[str, Any], tenant: str) -> None:
         """Tokenize the prompt as the replica does (``/tokenize``, same model and messages) and register it."""
         try:
-            tokens = await state.client.tokenize(payload.get("messages") or [], model=str(payload.get("model", "")))
+            tokens = await self._tokenizer_of(state).tokenize(payload.get("messages") or [],
+                                                              model=str(payload.get("model", "")))
             state.sync.register(request_id, tokens, tenant=tenant, cache_salt=payload.get("cache_salt"))
         except CpMemoryError as error:
             self.failures += 1
             logger.debug("registration of %s failed: %s", request_id, error)
+
+    def _tokenizer_of(self, state: _Replica) -> Any:
+        """The local tokenizer when there is one, else the replica's ``/tokenize``."""
+        return self.tokenizer if self.tokenizer is not None else state.client
 
     def forget(self, request_ids: Sequence[str]) -> None:
         """Stop tracking requests whose leaves were evicted by a report (keeps the sync maps small)."""

@@ -1,5 +1,7 @@
 """Real vLLM (CPM_VLLM_URL + CPM_VLLM_KV_ENDPOINT): the proxy's KV-event sync registers each turn's prompt with the
-tenant's cache_salt, and the block hashes it computes match the ones vLLM publishes in BlockStored events."""
+tenant's cache_salt, and the block hashes it computes match the ones vLLM publishes in BlockStored events, whether
+the prompt was tokenized by the engine's ``/tokenize`` or by the proxy's local tokenizer of the served model
+(``--tokenizer``, the model directory CPM_VLLM_MODEL)."""
 from __future__ import annotations
 
 import asyncio
@@ -16,10 +18,14 @@ URL = os.environ.get("CPM_VLLM_URL")
 KV_ENDPOINT = os.environ.get("CPM_VLLM_KV_ENDPOINT")
 if not (URL and KV_ENDPOINT):
     pytest.skip("CPM_VLLM_URL and CPM_VLLM_KV_ENDPOINT are not set", allow_module_level=True)
+MODEL = os.environ.get("CPM_VLLM_MODEL", "/root/.cache/cpmemory/tiny-model")
+LOCAL = pytest.param("local", marks=pytest.mark.skipif(not os.path.isdir(MODEL), reason=f"no model dir {MODEL}"))
 
 
-async def test_turns_register_with_the_tenant_salt_and_hashes_match_vllm() -> None:
-    app = create_app(ServerConfig(engines=[URL], kv_events=[KV_ENDPOINT], engine_timeout_s=300))
+@pytest.mark.parametrize("tokenizer", ["engine", LOCAL])
+async def test_turns_register_with_the_tenant_salt_and_hashes_match_vllm(tokenizer: str) -> None:
+    app = create_app(ServerConfig(engines=[URL], kv_events=[KV_ENDPOINT], engine_timeout_s=300,
+                                  tokenizer=MODEL if tokenizer == "local" else None))
     service = app.state.service
     stamp = time.time_ns()  # fresh text: vLLM must store (and publish) new blocks for this run
     blocks = [{"id": f"k{i}", "text": f"Run {stamp} block {i}: " + "the harbor ledger lists every ship. " * 40}
@@ -42,3 +48,24 @@ async def test_turns_register_with_the_tenant_salt_and_hashes_match_vllm() -> No
     assert stats is not None and stats.registered >= 2, stats
     print(f"\nkv sync on real vLLM: {stats}")
     assert stats.hash_matches >= 1 and stats.hash_mismatches == 0, stats
+
+
+@pytest.mark.skipif(not os.path.isdir(MODEL), reason=f"no model dir {MODEL}")
+async def test_the_local_tokenizer_gives_the_engines_tokens() -> None:
+    """The contract behind ``--tokenizer``: for the same messages, the ids the proxy builds are vLLM's ``/tokenize``
+    ids (system prompts, multi-turn history, non-ASCII text, an empty message)."""
+    from cpmemory.engines.client import AsyncEngineClient, EngineSettings
+    from cpmemory.engines.local_tokenizer import LocalTokenizer
+
+    local = LocalTokenizer(MODEL)
+    conversations = [
+        [{"role": "user", "content": "What is the harbor ledger?"}],
+        [{"role": "system", "content": "Answer briefly.\n\n[doc-1] The ledger lists every ship."},
+         {"role": "user", "content": "Which ships?"}, {"role": "assistant", "content": "All of them."},
+         {"role": "user", "content": "And in 1850?"}],
+        [{"role": "user", "content": "Café naïve — 東京 ✓ " * 20}],
+        [{"role": "system", "content": ""}, {"role": "user", "content": "  spaced   out  "}],
+    ]
+    async with AsyncEngineClient(EngineSettings(base_url=URL, timeout_s=120)) as engine:
+        for messages in conversations:
+            assert await local.tokenize(messages) == await engine.tokenize(messages, model="tiny"), messages

@@ -1,6 +1,8 @@
 """The proxy's prefix-aware routing over mock engines: first turns find the replica holding their prefix."""
 from __future__ import annotations
 
+import asyncio
+
 BLOCKS = [{"id": f"doc-{i}", "text": f"Document {i}: " + f"fact {i} about the topic. " * 30} for i in range(4)]
 
 
@@ -109,5 +111,58 @@ async def test_a_kept_conversation_is_routed_without_a_tokenize_call_and_a_faile
         assert failed.prompt is None  # the tokenization failed: counted, routed by key
         metrics = (await proxy.client.get("/metrics")).text
         assert 'cpmemory_fallbacks_total{kind="route_tokenize"} 1.0' in metrics
+    finally:
+        await http.aclose()
+
+
+async def test_with_a_local_tokenizer_no_prompt_goes_to_tokenize_and_the_hashes_are_the_local_ones(
+        make_proxy, tmp_path) -> None:
+    """``--tokenizer``: the prompt's engine hashes for routing and for eviction sync come from the proxy's own
+    tokenizer (the served model's), so no ``/tokenize`` request reaches a replica."""
+    import pytest
+
+    pytest.importorskip("transformers")
+    import httpx
+
+    from cpmemory.engines.block_hashes import BlockHasher
+    from cpmemory.engines.client import AsyncEngineClient, EngineSettings
+    from cpmemory.engines.eviction_sync import EvictionSync
+    from cpmemory.engines.local_tokenizer import LocalTokenizer
+    from cpmemory.routing.prefix import EventPrefixView, engine_blocks
+    from cpmemory.server.kv_sync import KVSyncHub, _Replica
+    from tests.chat_tokenizer import build_chat_tokenizer
+
+    proxy = make_proxy(2)
+    service, router = proxy.service, proxy.service.dispatcher.router
+    router.view = EventPrefixView(2)
+    fleet, tokenized = proxy.fleet.async_transport(), []
+
+    class Counting(httpx.AsyncBaseTransport):
+        async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+            if request.url.path == "/tokenize":
+                tokenized.append(request.url.host)
+            return await fleet.handle_async_request(request)
+
+    local = LocalTokenizer(str(build_chat_tokenizer(tmp_path)))
+    http = httpx.AsyncClient(transport=Counting())
+    hub = KVSyncHub(service.memory, proxy.fleet.urls, ["tcp://127.0.0.1:1", "tcp://127.0.0.1:2"], router.view,
+                    tokenizer=local)
+    hasher = BlockHasher(4)
+    syncs = []
+    for index, url in enumerate(proxy.fleet.urls):
+        syncs.append(EvictionSync(service.memory.index_evictor(), hasher))
+        hub._replicas[index] = _Replica(url, syncs[-1], None,
+                                        AsyncEngineClient(EngineSettings(base_url=url), http=http))
+    service.kv_sync = hub
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "what is it? " * 8}]
+    payload = {"model": "tiny", "messages": messages}
+    try:
+        hint = await service.route_hint(payload, sticky=False, key="k")
+        assert hint.prompt is not None and tokenized == []
+        assert list(hint.prompt.keys) == list(engine_blocks(local.tokenize_now(messages), hasher, None).keys)
+        hub.register_later(1, "req-1", payload, "default")
+        await asyncio.gather(*hub._pending)
+        assert tokenized == [] and hub.failures == 0
+        assert syncs[1].stats.registered == 1 and syncs[0].stats.registered == 0
     finally:
         await http.aclose()
