@@ -22,6 +22,7 @@ VENV=${CPM_ROUTER_VENV:-/root/.cache/cpmemory/router-venv}
 RUN_DIR=${CPM_VLLM_RUN_DIR:-/tmp/cpmemory-vllm}
 ROUTER_VERSION=0.1.17
 ROUTER_PORT=18120
+ROUTER_METRICS_PORT=29000  # its Prometheus exporter (vllm-router's default port, made explicit)
 CI_ENV="$HERE/router.env"
 
 log() { printf '[router.sh] %s\n' "$*" >&2; }
@@ -59,7 +60,7 @@ start_router() {
   mkdir -p "$RUN_DIR"
   rm -f "$RUN_DIR/cpm-router.pid"
   setsid bash -c 'echo $$ > "$0"; exec "$@"' "$RUN_DIR/cpm-router.pid" \
-    "$VENV/bin/vllm-router" --host 127.0.0.1 --port "$ROUTER_PORT" \
+    "$VENV/bin/vllm-router" --host 127.0.0.1 --port "$ROUTER_PORT" --prometheus-port "$ROUTER_METRICS_PORT" \
     --worker-urls http://127.0.0.1:18110 http://127.0.0.1:18111 \
     --policy kv_aware \
     --kv-event-source http://127.0.0.1:18110=tcp://127.0.0.1:15610 \
@@ -88,6 +89,7 @@ cmd_ci_up() {
   fi
   cat > "$CI_ENV" <<ENV
 export CPM_ROUTER_URL=http://127.0.0.1:$ROUTER_PORT
+export CPM_ROUTER_METRICS=http://127.0.0.1:$ROUTER_METRICS_PORT/metrics
 export CPM_ROUTER_REPLICAS=http://127.0.0.1:18110,http://127.0.0.1:18111
 export CPM_ROUTER_KV_ENDPOINTS=tcp://127.0.0.1:15610,tcp://127.0.0.1:15611
 ENV

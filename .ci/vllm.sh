@@ -122,13 +122,16 @@ cmd_start() {
   # together. The shell inside writes its own PID (= the group id) before exec'ing vLLM, which stays right even
   # when setsid has to fork (when the caller's job control made us a group leader).
   rm -f "$RUN_DIR/$NAME.pid"
+  # --enable-scale-out: vllm-router's kv_aware policy gets each request's token ids from the replica's
+  # /v1/chat/completions/render, which vLLM answers 403 without it (the router then routes by load alone and counts
+  # vllm_router_prefix_routing_decisions_total{outcome="missing_tokens"}).
   # nice: on a machine shared with the proxy and the benchmark's clients, the engines' compute yields to them (as if
   # the engines had their own hardware); the engines still get every idle cycle.
   setsid bash -c 'echo $$ > "$0"; exec "$@"' "$RUN_DIR/$NAME.pid" \
     nice -n "${CPM_VLLM_NICE:-10}" env "${kv_env[@]}" "${bind_env[@]}" VLLM_SERVER_DEV_MODE=1 VLLM_LOGGING_LEVEL=WARNING \
     "$VENV/bin/vllm" serve "$MODEL" --served-model-name tiny --host 127.0.0.1 --port "$port" \
     --dtype bfloat16 --max-model-len 16384 --enforce-eager --enable-prefix-caching \
-    --enable-prompt-tokens-details \
+    --enable-prompt-tokens-details --enable-scale-out \
     --kv-events-config "{\"enable_kv_cache_events\": true, \"publisher\": \"zmq\", \"endpoint\": \"tcp://*:$kvport\", \"topic\": \"kv-events\"}" \
     "${kv_args[@]}" "$@" >"$RUN_DIR/$NAME.log" 2>&1 < /dev/null &
   for _ in $(seq 1 50); do [ -s "$RUN_DIR/$NAME.pid" ] && break; sleep 0.1; done

@@ -64,7 +64,7 @@ async def in_process_proxy(settings: ServeSettings, cache_tokens: int | None = N
     recording = RecordingTransport(HttpxChatTransport())
     config = ServerConfig(engines=list(settings.engines), upstream=settings.upstream,
                           kv_events=list(settings.kv_events), engine_timeout_s=settings.engine_timeout_s, fit=fit,
-                          tokenizer=settings.tokenizer,
+                          tokenizer=settings.tokenizer, cache_salt=settings.cache_salt,
                           **({"replica_cache_tokens": cache_tokens} if cache_tokens else {}))
     port = _free_port()
     server = uvicorn.Server(uvicorn.Config(create_app(config, transport=recording), host="127.0.0.1", port=port,
@@ -316,6 +316,8 @@ def command(
     proxy: str | None = typer.Option(None, "--proxy", help="Use a running cpmemory proxy instead of starting one."),
     kv_events: Annotated[list[str] | None, typer.Option("--kv-events", help="KV-event endpoint per --engine.")] = None,
     tokenizer: str | None = typer.Option(None, "--tokenizer", help="The proxy's local tokenizer (serve --tokenizer)."),
+    cache_salt: bool = typer.Option(True, "--cache-salt/--no-cache-salt",
+                                    help="The proxy's tenant cache salts (serve --no-cache-salt)."),
     concurrency: int = typer.Option(DEFAULT_CONCURRENCY, "--concurrency", min=1, help="Concurrent clients."),
     rate: Annotated[list[float] | None, typer.Option(
         "--rate", min=0.001, help="Poisson arrivals per second instead (repeat for a sweep: one run per rate).")] = None,
@@ -343,6 +345,7 @@ def command(
         trace = _load(trace_file, workload, data_dir, multi_turn)
         settings = ServeSettings(
             engines=tuple(engine), upstream=upstream, proxy=proxy, kv_events=tuple(kv_events or ()), tokenizer=tokenizer,
+            cache_salt=cache_salt,
             concurrency=concurrency, rate=min(rate) if rate else None, requests=requests, max_turns=max_turns, max_tokens=max_tokens,
             timeout_s=timeout, engine_timeout_s=engine_timeout, model=model, seed=seed, rounds=rounds,
             strategies=tuple(s.strip() for s in strategies.split(",") if s.strip()))

@@ -144,6 +144,11 @@ def create_app(
     salts = build_salts(config, store)
     service = ProxyService(memory or build_memory(config, store), dispatcher, metrics, salts)
     service.upstream = config.upstream is not None
+    service.salt_requests = config.cache_salt
+    if config.upstream is not None and config.cache_salt:
+        logger.info("requests to %s carry per-tenant cache salts; a gateway that cannot hash them (vllm-router "
+                    "kv_aware) routes them without its prefix score: a single-tenant proxy can run with "
+                    "--no-cache-salt", config.upstream)
     service.hold = build_hold(config, service.memory, router, metrics)
     service.fit = build_fit(config, metrics)
     tokenizer = build_tokenizer(config)

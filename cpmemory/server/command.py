@@ -90,6 +90,10 @@ def command(
         help="Key of per-tenant cache salts (16+ characters). Default: generated and kept in Redis (--redis), "
         "or per process; required with API keys and no Redis.", show_default=False,
     ),
+    cache_salt: bool = typer.Option(
+        _FIELDS["cache_salt"].default, "--cache-salt/--no-cache-salt",
+        help="Send each tenant's vLLM cache_salt (keeps tenants' KV blocks apart). --no-cache-salt (single tenant "
+        "only) lets a gateway that cannot hash salted requests, such as vllm-router's kv_aware, prefix-route them."),
     max_in_flight: int | None = typer.Option(
         None, "--max-in-flight", min=1, show_default=False,
         help="Requests one replica can run at once (vLLM's --max-num-seqs). While the proxy has that many per healthy "
@@ -133,6 +137,7 @@ def command(
         config = ServerConfig(
             engines=engine, redis_url=redis, redis=RedisStoreConfig.model_validate(redis_config.model_dump()),
             api_keys=parse_api_keys(api_key, api_keys_file), cache_salt_secret=cache_salt_secret,
+            cache_salt=cache_salt,
             engine_timeout_s=engine_timeout, kv_events=kv_events, tokenizer=tokenizer,
             upstream=upstream, router=RouterConfig(policy=router_policy),  # type: ignore[arg-type]
             replica_cache_tokens=replica_cache_tokens, max_in_flight=max_in_flight, hold_ms=hold_ms,

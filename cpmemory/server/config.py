@@ -33,6 +33,9 @@ class ServerConfig(BaseModel):
         memory: the facade's settings.
         api_keys: API key -> tenant. Empty: every caller is the single tenant ``default``.
         cache_salt_secret: key of the hash that derives each tenant's vLLM ``cache_salt`` (see the module).
+        cache_salt: send the tenant's ``cache_salt`` with every request (the default). Off (a single-tenant proxy
+            only: salts are what keep tenants' KV blocks apart) the proxy adds none, so a gateway that cannot
+            prefix-route salted requests (vllm-router's ``kv_aware`` routes them by load alone) can route these.
         engine_timeout_s: per-call engine timeout; past it the replica is marked down and the call fails over.
         router: routing policy and thresholds (prefix-aware by default).
         kv_events: vLLM KV-event endpoints (``tcp://host:port``), one per engine, for eviction sync (and, when not
@@ -69,6 +72,7 @@ class ServerConfig(BaseModel):
     memory: CpMemoryConfig = Field(default_factory=CpMemoryConfig)
     api_keys: dict[str, str] = Field(default_factory=dict)
     cache_salt_secret: SecretStr | None = None
+    cache_salt: bool = True
     engine_timeout_s: float = Field(default=120.0, gt=0)
     router: RouterConfig = Field(default_factory=RouterConfig)
     kv_events: list[str] = Field(default_factory=list, description="KV-event endpoint per engine, in order")
@@ -101,6 +105,9 @@ class ServerConfig(BaseModel):
             raise ValueError("give at least one engine, or an upstream gateway")
         if self.kv_events and len(self.kv_events) != len(self.engines):
             raise ValueError("give one KV-event endpoint per engine, in the same order")
+        if self.api_keys and not self.cache_salt:
+            raise ValueError("cache salts keep tenants' KV caches apart: they can be turned off only on a "
+                             "single-tenant proxy (no api_keys)")
         if self.api_keys and self.cache_salt_secret is None and self.redis_url is None:
             raise ValueError("tenants (api_keys) need a cache_salt_secret (or a redis_url to keep a generated one)")
         return self

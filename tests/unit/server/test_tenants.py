@@ -99,3 +99,23 @@ async def test_cross_session_reordering_stays_inside_a_tenant(tenants, make_prox
 
     assert order(bob) == order(fresh)
     assert order(alice) != order(bob)  # Alice's own history does reorder (the test can fail)
+
+
+async def test_a_single_tenant_proxy_without_salts_sends_none_and_tenants_cannot_turn_them_off(make_proxy) -> None:
+    """``--no-cache-salt``: no salt is added (a client's own passes on), so a gateway that cannot hash salted
+    requests can prefix-route them; with API keys (several tenants) it is refused, since salts keep them apart."""
+    import pydantic
+
+    from cpmemory.server.config import ServerConfig
+
+    plain = make_proxy(engine_count=1, cache_salt=False)
+    await plain.client.post("/v1/chat/completions", json=body("x", "q", SHARED))
+    own = {**body("y", "q", SHARED), "cache_salt": "client-chosen"}
+    await plain.client.post("/v1/chat/completions", json=own)
+    sent = [record["body"] for engine in plain.engines for record in engine.requests]
+    assert "cache_salt" not in sent[0] and sent[1]["cache_salt"] == "client-chosen"
+    salted = make_proxy(engine_count=1)
+    await salted.client.post("/v1/chat/completions", json=body("x", "q", SHARED))
+    assert salted.engines[0].requests[-1]["body"]["cache_salt"] == salted.service.cache_salt("default")
+    with pytest.raises(pydantic.ValidationError, match="single-tenant"):
+        ServerConfig(engines=["http://e"], api_keys=KEYS, cache_salt_secret=SALT_SECRET, cache_salt=False)
