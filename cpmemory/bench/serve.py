@@ -65,6 +65,7 @@ async def in_process_proxy(settings: ServeSettings, cache_tokens: int | None = N
     config = ServerConfig(engines=list(settings.engines), upstream=settings.upstream,
                           kv_events=list(settings.kv_events), engine_timeout_s=settings.engine_timeout_s, fit=fit,
                           tokenizer=settings.tokenizer, cache_salt=settings.cache_salt,
+                          upstream_session=settings.upstream_session and settings.upstream is not None,
                           **({"replica_cache_tokens": cache_tokens} if cache_tokens else {}))
     port = _free_port()
     server = uvicorn.Server(uvicorn.Config(create_app(config, transport=recording), host="127.0.0.1", port=port,
@@ -93,7 +94,8 @@ async def strategy_client(name: str, settings: ServeSettings, system_prompt: str
         urls = [settings.upstream] if settings.upstream else list(settings.engines)
         client: Any = DirectClient(urls, model=settings.model, max_tokens=settings.max_tokens,
                                    timeout_s=settings.engine_timeout_s, system_prompt=system_prompt,
-                                   failover=settings.upstream is None)
+                                   failover=settings.upstream is None,
+                                   name_sessions=settings.upstream_session and settings.upstream is not None)
         try:
             yield client
         finally:
@@ -316,6 +318,8 @@ def command(
     proxy: str | None = typer.Option(None, "--proxy", help="Use a running cpmemory proxy instead of starting one."),
     kv_events: Annotated[list[str] | None, typer.Option("--kv-events", help="KV-event endpoint per --engine.")] = None,
     tokenizer: str | None = typer.Option(None, "--tokenizer", help="The proxy's local tokenizer (serve --tokenizer)."),
+    upstream_session: bool = typer.Option(
+        False, "--upstream-session", help="Both strategies name each conversation to --upstream (session_params)."),
     cache_salt: bool = typer.Option(True, "--cache-salt/--no-cache-salt",
                                     help="The proxy's tenant cache salts (serve --no-cache-salt)."),
     concurrency: int = typer.Option(DEFAULT_CONCURRENCY, "--concurrency", min=1, help="Concurrent clients."),
@@ -345,7 +349,7 @@ def command(
         trace = _load(trace_file, workload, data_dir, multi_turn)
         settings = ServeSettings(
             engines=tuple(engine), upstream=upstream, proxy=proxy, kv_events=tuple(kv_events or ()), tokenizer=tokenizer,
-            cache_salt=cache_salt,
+            cache_salt=cache_salt, upstream_session=upstream_session,
             concurrency=concurrency, rate=min(rate) if rate else None, requests=requests, max_turns=max_turns, max_tokens=max_tokens,
             timeout_s=timeout, engine_timeout_s=engine_timeout, model=model, seed=seed, rounds=rounds,
             strategies=tuple(s.strip() for s in strategies.split(",") if s.strip()))

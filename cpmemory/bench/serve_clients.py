@@ -86,9 +86,10 @@ class DirectClient:
     """Strategy ``original``: full prompts straight to the engines (see the module docstring)."""
 
     def __init__(self, urls: Sequence[str], *, model: str, max_tokens: int, timeout_s: float, system_prompt: str,
-                 failover: bool = True, transport: Any = None) -> None:
+                 failover: bool = True, transport: Any = None, name_sessions: bool = False) -> None:
         """Wire a conversation-affinity router over ``urls`` (engines, or one upstream router with
-        ``failover=False``); no IO."""
+        ``failover=False``; ``name_sessions``: each turn names its conversation to it, as the proxy does with
+        ``upstream_session``); no IO."""
         import httpx
 
         from cpmemory.routing.dispatch import Dispatcher
@@ -101,6 +102,7 @@ class DirectClient:
         self.dispatcher = Dispatcher(router, _FailureLog(HttpxChatTransport(client), self.failures),
                                      timeout_s=timeout_s, failover=failover)
         self.model, self.max_tokens, self.system_prompt = model, max_tokens, system_prompt
+        self.name_sessions = name_sessions
         self.history: dict[str, list[dict[str, str]]] = defaultdict(list)
 
     def messages(self, conversation: str, blocks: Sequence[Any], query: str, multi_turn: bool) -> list[dict[str, str]]:
@@ -113,15 +115,17 @@ class DirectClient:
 
     async def send(self, conversation: str, blocks: Sequence[Any], query: str, multi_turn: bool) -> Sent:
         """Send one turn; on success the user message and the engine's answer join the history."""
+        from cpmemory.engines.openai_wire import session_params
         from cpmemory.routing.router import conversation_affinity_key
 
         messages = self.messages(conversation, blocks, query, multi_turn)
         request_id = "bench-" + uuid.uuid4().hex
+        key = conversation_affinity_key(DEFAULT_TENANT, conversation)
         payload = {"model": self.model, "messages": messages, "request_id": request_id,
-                   "stream_options": {"include_usage": True}, **sampling(self.max_tokens)}
+                   "stream_options": {"include_usage": True}, **sampling(self.max_tokens),
+                   **({"session_params": session_params(key)} if self.name_sessions else {})}
         started = time.perf_counter()
-        opened = await self.dispatcher.open_stream(conversation_affinity_key(DEFAULT_TENANT, conversation), payload,
-                                                   {"X-Request-Id": request_id})
+        opened = await self.dispatcher.open_stream(key, payload, {"X-Request-Id": request_id})
         try:
             accumulator = await read_stream(opened.stream.aiter_bytes(), started)
         finally:

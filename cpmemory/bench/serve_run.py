@@ -46,6 +46,7 @@ class ServeSettings(BaseModel):
     upstream: str | None = Field(None, description="a router in front of the engines: both strategies send there")
     proxy: str | None = Field(None, description="a running cpmemory proxy; None starts one in this process")
     kv_events: tuple[str, ...] = Field((), description="KV-event endpoint per engine, for the in-process proxy")
+    upstream_session: bool = Field(False, description="both strategies name each conversation to --upstream")
     cache_salt: bool = Field(True, description="the in-process proxy sends tenant cache salts (serve --no-cache-salt)")
     tokenizer: str | None = Field(None, description="the in-process proxy's local tokenizer (cpmemory serve --tokenizer)")
     concurrency: int = Field(8, ge=1, le=4096)

@@ -90,6 +90,15 @@ def engine_body(client_body: Mapping[str, Any], *, request_id: str, cache_salt: 
     return EngineBody(body, strip_usage)
 
 
+def session_params(affinity_key: str) -> dict[str, str]:
+    """The body field that names a request's session to a gateway with session affinity (vllm-router's
+    ``--kv-aware-session-affinity-ttl-secs`` and ``consistent_hash`` read ``session_params.session_id``): an opaque
+    digest of the affinity key, so the gateway learns which requests belong together and nothing else. Pure."""
+    import hashlib
+
+    return {"session_id": hashlib.blake2b(affinity_key.encode("utf-8", "surrogatepass"), digest_size=16).hexdigest()}
+
+
 def request_headers(request_id: str | None, api_key: str | None = None) -> dict[str, str]:
     """Headers of one request: the request id (vLLM and SGLang read X-Request-Id) and the bearer token."""
     headers: dict[str, str] = {}

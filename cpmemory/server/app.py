@@ -145,6 +145,7 @@ def create_app(
     service = ProxyService(memory or build_memory(config, store), dispatcher, metrics, salts)
     service.upstream = config.upstream is not None
     service.salt_requests = config.cache_salt
+    service.upstream_session = config.upstream_session
     if config.upstream is not None and config.cache_salt:
         logger.info("requests to %s carry per-tenant cache salts; a gateway that cannot hash them (vllm-router "
                     "kv_aware) routes them without its prefix score: a single-tenant proxy can run with "

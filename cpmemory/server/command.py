@@ -90,6 +90,10 @@ def command(
         help="Key of per-tenant cache salts (16+ characters). Default: generated and kept in Redis (--redis), "
         "or per process; required with API keys and no Redis.", show_default=False,
     ),
+    upstream_session: bool = typer.Option(
+        _FIELDS["upstream_session"].default, "--upstream-session/--no-upstream-session",
+        help="With --upstream: each turn names its conversation to the gateway (session_params.session_id), so one "
+        "with session affinity (vllm-router --kv-aware-session-affinity-ttl-secs) keeps its turns on one replica."),
     cache_salt: bool = typer.Option(
         _FIELDS["cache_salt"].default, "--cache-salt/--no-cache-salt",
         help="Send each tenant's vLLM cache_salt (keeps tenants' KV blocks apart). --no-cache-salt (single tenant "
@@ -137,7 +141,7 @@ def command(
         config = ServerConfig(
             engines=engine, redis_url=redis, redis=RedisStoreConfig.model_validate(redis_config.model_dump()),
             api_keys=parse_api_keys(api_key, api_keys_file), cache_salt_secret=cache_salt_secret,
-            cache_salt=cache_salt,
+            cache_salt=cache_salt, upstream_session=upstream_session,
             engine_timeout_s=engine_timeout, kv_events=kv_events, tokenizer=tokenizer,
             upstream=upstream, router=RouterConfig(policy=router_policy),  # type: ignore[arg-type]
             replica_cache_tokens=replica_cache_tokens, max_in_flight=max_in_flight, hold_ms=hold_ms,

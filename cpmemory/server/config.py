@@ -40,6 +40,10 @@ class ServerConfig(BaseModel):
         router: routing policy and thresholds (prefix-aware by default).
         kv_events: vLLM KV-event endpoints (``tcp://host:port``), one per engine, for eviction sync (and, when not
             behind a gateway, for the router's view of what each replica caches).
+        upstream_session: behind a gateway, each turn's body carries ``session_params.session_id`` (a digest of its
+            conversation's key), so a gateway with session affinity keeps a conversation's turns on the replica that
+            holds its history (vllm-router: ``--kv-aware-session-affinity-ttl-secs``). Off by default: engines that
+            give ``session_params`` a meaning of their own (SGLang's sessions) must not receive it.
         tokenizer: the served model's tokenizer (directory or Hugging Face id): the proxy tokenizes prompts itself
             (``cpmemory.engines.local_tokenizer``) instead of asking each engine's ``/tokenize``.
         upstream: a gateway (vllm-router, llm-d, an SGLang router) that picks the replica; every call goes there.
@@ -78,6 +82,7 @@ class ServerConfig(BaseModel):
     kv_events: list[str] = Field(default_factory=list, description="KV-event endpoint per engine, in order")
     tokenizer: str | None = Field(default=None, description="the served model's tokenizer (path or HF id)")
     upstream: str | None = Field(default=None, description="a gateway that picks the replica")
+    upstream_session: bool = Field(default=False, description="name each conversation to the gateway")
     replica_cache_tokens: int = Field(default=1_000_000, ge=0, description="per replica, for the sent view")
     prompt_budget: bool = True
     answer_reserve_tokens: int = Field(default=1024, ge=1)
@@ -105,6 +110,8 @@ class ServerConfig(BaseModel):
             raise ValueError("give at least one engine, or an upstream gateway")
         if self.kv_events and len(self.kv_events) != len(self.engines):
             raise ValueError("give one KV-event endpoint per engine, in the same order")
+        if self.upstream_session and self.upstream is None:
+            raise ValueError("upstream_session names conversations to a gateway: it needs an upstream")
         if self.api_keys and not self.cache_salt:
             raise ValueError("cache salts keep tenants' KV caches apart: they can be turned off only on a "
                              "single-tenant proxy (no api_keys)")

@@ -26,7 +26,14 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from cpmemory.core.blocks import Block, to_block
-from cpmemory.engines.openai_wire import EngineBody, engine_body, request_headers, response_text, usage_tokens
+from cpmemory.engines.openai_wire import (
+    EngineBody,
+    engine_body,
+    request_headers,
+    response_text,
+    session_params,
+    usage_tokens,
+)
 from cpmemory.errors import (
     EngineError,
     InvalidInputError,
@@ -179,6 +186,7 @@ class ProxyService:
         self.kv_sync: Any = None  # a KVSyncHub when the engines publish KV events (set by the app's lifespan)
         self.upstream = False  # True behind a gateway: it picks the replica, the proxy sends no routing hint
         self.salt_requests = True  # every engine request carries the tenant's cache_salt (ServerConfig.cache_salt)
+        self.upstream_session = False  # turns name their conversation to the gateway (ServerConfig.upstream_session)
         self.engine_budget: EngineBudget | None = None  # set by create_app (cpmemory.server.budget)
         self.answer_reserve_tokens = 1024  # answer tokens reserved when a request gives no max_tokens
         self.hold: HoldQueue | None = None  # the hold-and-release queue, when max_in_flight is set (create_app)
@@ -213,6 +221,11 @@ class ProxyService:
         """The tenant's vLLM ``cache_salt``: a keyed hash of the tenant, stable across restarts (see ``salt``);
         None when salts are off (``ServerConfig.cache_salt``)."""
         return self.salts.salt(tenant) if self.salt_requests else None
+
+    def _name_session(self, body: dict[str, Any], key: str) -> None:
+        """Behind a gateway with ``upstream_session``: the turn names its conversation (``session_params``)."""
+        if self.upstream and self.upstream_session:
+            body["session_params"] = session_params(key)
 
     def engine_payload(
         self, request: ChatCompletionRequest, messages: Sequence[Mapping[str, str]] | None, request_id: str,
@@ -304,6 +317,7 @@ class ProxyService:
         request_id = engine_request_id(prepared)
         payload = self.engine_payload(request, prepared.messages, request_id, tenant).body
         key = conversation_affinity_key(tenant, turn.conversation_id)
+        self._name_session(payload, key)
         slot = UNGATED
         try:
             hint = await self.route_hint(payload, has_history(turn, prepared), key=key)
@@ -332,6 +346,7 @@ class ProxyService:
         request_id = engine_request_id(prepared)
         payload = self.engine_payload(request, prepared.messages, request_id, tenant)
         key = conversation_affinity_key(tenant, turn.conversation_id)
+        self._name_session(payload.body, key)
         slot = UNGATED
         try:
             hint = await self.route_hint(payload.body, has_history(turn, prepared), key=key)

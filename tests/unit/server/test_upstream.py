@@ -102,3 +102,27 @@ def test_behind_a_gateway_a_prompt_is_registered_with_every_replicas_sync() -> N
 
     syncs[1].handle_batch(EventBatch(1, 0.0, (BlockRemoved((12,)),)))  # either replica dropping a block evicts
     assert index.evicted == ["req-1"]
+
+
+async def test_upstream_session_names_each_conversation_to_the_gateway_and_nothing_else() -> None:
+    """``--upstream-session``: a turn (streamed or not) carries ``session_params.session_id``, the same for every
+    turn of a conversation and different between conversations, opaque (no conversation id in it); off, none."""
+    for named in (True, False):
+        gateway = MockEngine(block_size=16, capacity_blocks=4096)
+        transport = HttpxChatTransport(httpx.AsyncClient(transport=gateway.transport()))
+        app = create_app(ServerConfig(upstream="http://gateway:18120", upstream_session=named), transport=transport)
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://proxy") as client:
+            for conversation, question, stream in (("conv-a", "q1", False), ("conv-b", "q1", False),
+                                                   ("conv-a", "q2", True)):
+                response = await client.post("/v1/chat/completions",
+                                             json={**turn(conversation, question), "stream": stream})
+                assert response.status_code == 200
+        await transport.aclose()
+        sessions = [record["body"].get("session_params") for record in gateway.requests]
+        if not named:
+            assert sessions == [None, None, None]
+            continue
+        ids = [session["session_id"] for session in sessions]
+        assert ids[0] == ids[2] != ids[1] and all("conv" not in value for value in ids)
+    with pytest.raises(ValueError, match="needs an upstream"):
+        ServerConfig(engines=["http://e"], upstream_session=True)
