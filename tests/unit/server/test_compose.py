@@ -59,7 +59,7 @@ def test_proxy_image_runs_the_serve_command_with_known_options() -> None:
         if hasattr(parameter.annotation, "__metadata__"):
             option = parameter.annotation.__metadata__[0]
         declared = [*option.param_decls, option.default]  # Annotated form: typer reads a "--flag" default as a name
-        known.update(p for p in declared if isinstance(p, str) and p.startswith("--"))
+        known.update(name for p in declared if isinstance(p, str) and p.startswith("--") for name in p.split("/"))
     for arg in services["proxy"]["command"]:
         assert arg.split("=", 1)[0] in known, arg
 
@@ -81,6 +81,10 @@ def test_router_variant_puts_vllm_router_between_the_proxy_and_the_replicas() ->
     assert _flag_values(proxy_args, "--upstream") == [f"http://vllm-router:{port}"]
     assert _flag_values(proxy_args, "--kv-events") == _flag_values(base["proxy"]["command"], "--kv-events")
     assert variant["proxy"]["depends_on"]["vllm-router"]["condition"] == "service_healthy"
+    # kv_aware needs the replicas' /v1/chat/completions/render and unsalted requests; sessions keep conversations put
+    assert all("--enable-scale-out" in [a.split()[0] for a in base[name]["command"]] for name in replicas)
+    assert "--no-cache-salt" in proxy_args and "--upstream-session" in proxy_args
+    assert _flag_values(router_args, "--kv-aware-session-affinity-ttl-secs")
     assert 'ENTRYPOINT ["vllm-router"]' in (ROOT / variant["vllm-router"]["build"]["dockerfile"]).read_text()
     # every proxy flag is a `cpmemory serve` option (the base file's check, on the variant's command)
     import inspect
@@ -90,5 +94,6 @@ def test_router_variant_puts_vllm_router_between_the_proxy_and_the_replicas() ->
         option = parameter.default
         if hasattr(parameter.annotation, "__metadata__"):
             option = parameter.annotation.__metadata__[0]
-        known.update(p for p in [*option.param_decls, option.default] if isinstance(p, str) and p.startswith("--"))
+        known.update(name for p in [*option.param_decls, option.default] if isinstance(p, str) and p.startswith("--")
+                     for name in p.split("/"))  # a boolean "--flag/--no-flag" declares both names
     assert all(arg.split("=", 1)[0] in known for arg in proxy_args)
