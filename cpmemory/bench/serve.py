@@ -265,10 +265,10 @@ def plot_sweep(report: dict[str, Any], path: Path) -> None:
     plt = _pyplot()
     figure, axis = plt.subplots(figsize=(7, 4.5))
     rates = [row["rate"] for row in report["sweep"]]
-    for name in report["strategies"]:
+    for number, name in enumerate(report["strategies"]):
         for key, style in (("ttft_mean_ms", "-"), ("ttft_p90_ms", "--")):
             values = [(row["strategies"][name][key] or float("nan")) / 1000.0 for row in report["sweep"]]
-            axis.plot(rates, values, style, marker="o", label=f"{name} {key.split('_')[1]}",
+            axis.plot(rates, values, style, color=f"C{number}", marker="o", label=f"{name} {key.split('_')[1]}",
                       linewidth=2.4 if name == "cpmemory" else 1.4)
     axis.set(xlabel="arrival rate (requests/s, Poisson)", ylabel="time to first token (s)",
              title=f"{report['workload']}: TTFT by arrival rate")
