@@ -1,24 +1,27 @@
-"""Safe Redis key names for one conversation's state.
+"""Safe Redis key names for one conversation's state and one tenant's shared decision state.
 
 Layout (``P`` is the configurable prefix, ``T`` and ``C`` are fixed-length hashes of the tenant and the
 conversation id)::
 
-    P:{T:C}:state    hash   "turns" -> committed turns; "path" -> last search path (JSON);
+    P:{T}:C:state    hash   "turns" -> committed turns; "path" -> last search path (JSON);
                             "tenant" / "conversation" -> the raw ids (inspection only);
                             "s:<content_hash>" -> "<turn>:<len(label)>:<label><block_id>"   (seen blocks)
-                            "i:<block_id utf-8>" -> content_hash                      (last hash per id)
+                            "i:<block_id utf-8>" -> content hash                      (last hash per id)
                             "t:<turn>" -> the "s:" / "i:" fields that turn showed, length-prefixed (for trims)
-    P:{T:C}:log      list   one entry per stored turn: its messages as a JSON array (the last LLEN turns)
-    P:{T:C}:paths    list   search path of each stored turn (JSON)
-    P:{T:C}:res      zset   open reservation id -> deadline (server ms)
-    P:{T:C}:done     zset   committed reservation id -> turn; "x:<id>" -> turn at expiry (expired marker)
+    P:{T}:C:log      list   one entry per stored turn: its messages as a JSON array (the last LLEN turns)
+    P:{T}:C:paths    list   search path of each stored turn (JSON)
+    P:{T}:C:res      zset   open reservation id -> deadline (server ms)
+    P:{T}:C:done     zset   committed reservation id -> turn; "x:<id>" -> turn at expiry (expired marker)
     P:{T}:ord3:*     one tenant's shared decision state (the online orderer's trie and counts; see decide.lua)
 
 Seen blocks, ids and the counters share one hash so that ``reserve`` reads all it needs with one ``HMGET``
-(every ``redis.call`` in a script costs a few microseconds). The ``{T:C}`` hash tag puts every key of one conversation in one Redis Cluster slot, so each Lua script touches a
-single slot. Raw ids never appear in key names: any string (braces, colons, ``*``, spaces, 1 KB, unicode, lone
-surrogates) maps to the same 32+32 hex characters. The tenant hash is part of every key, so no call made for one
-tenant can name another tenant's keys. Pure module: no IO.
+(every ``redis.call`` in a script costs a few microseconds). The hash tag is the tenant's: every key of one tenant,
+its conversations' and its decision state's, sits in one Redis Cluster slot, so each Lua script touches a single
+slot and a request's two script calls (its conversation's and its tenant's decisions) go to one node in one
+round trip. Different tenants hash to different slots (and so spread over the cluster's nodes). Raw ids never
+appear in key names: any string (braces, colons, ``*``, spaces, 1 KB, unicode, lone surrogates) maps to the same
+32 hex characters. The tenant hash is part of every key, so no call made for one tenant can name another tenant's
+keys. Pure module: no IO.
 """
 from __future__ import annotations
 
@@ -85,19 +88,21 @@ class KeyScheme:
     def __post_init__(self) -> None:
         check_prefix(self.prefix)
 
-    def tag(self, key: ConversationKey) -> str:
-        """The hash tag (without braces) shared by all keys of ``key``: ``<tenant hash>:<conversation hash>``."""
-        return f"{_digest(b'cpm-tenant', key.tenant)}:{_digest(b'cpm-conv', key.conversation)}"
+    @staticmethod
+    def tag(tenant: str) -> str:
+        """The hash tag (without braces) of every key of ``tenant``: the tenant's hash (one cluster slot). Pure."""
+        return _digest(b"cpm-tenant", tenant)
 
     def keys(self, key: ConversationKey) -> ConversationKeys:
-        """The key names of one conversation."""
-        base = f"{self.prefix}:{{{self.tag(key)}}}:"
+        """The key names of one conversation: ``P:{T}:C:<field>`` (the tenant's hash tag). Pure."""
+        base = f"{self.prefix}:{{{self.tag(key.tenant)}}}:{_digest(b'cpm-conv', key.conversation)}:"
         return ConversationKeys(*(base + name for name in FIELDS))
 
     def decision_keys(self, tenant: str) -> tuple[str, ...]:
-        """The keys of one tenant's shared decision state (``decide.lua``'s ``KEYS``), one hash tag per tenant:
-        ``P:{T}:ord3:trie|meta|freq|reqs|fifo`` (``ord3``: the version of decide.lua's layout). Pure."""
-        base = f"{self.prefix}:{{{_digest(b'cpm-tenant', tenant)}}}:ord3:"
+        """The keys of one tenant's shared decision state (``decide.lua``'s ``KEYS``), under the tenant's hash tag:
+        ``P:{T}:ord3:trie|meta|freq|reqs|fifo`` (``ord3``: the version of decide.lua's layout; never 32 hex
+        characters, so never a conversation's hash). Pure."""
+        base = f"{self.prefix}:{{{self.tag(tenant)}}}:ord3:"
         return tuple(base + name for name in DECISION_FIELDS)
 
     def pattern(self) -> str:

@@ -1,15 +1,19 @@
-"""How the Redis store's scripts reach the server (IO): straight on pooled sockets for a standalone synchronous
-client (:class:`DirectScriptRunner`), else pipelined ``EVALSHA`` through redis-py (:func:`run_pipelined`,
+"""How the Redis store's scripts reach the server (IO): straight on pooled sockets for a synchronous client
+(:class:`DirectScriptRunner` on a standalone ``redis.Redis``, :class:`ClusterScriptRunner` on each node of a
+``redis.cluster.RedisCluster``), else pipelined ``EVALSHA`` through redis-py (:func:`run_pipelined`,
 :func:`run_pipelined_async`), per node on a cluster.
 
 Why not redis-py's ``Script`` in a pipeline: its pipeline checks the scripts with ``SCRIPT EXISTS`` before every
 execute, one more round trip per call; here ``EVALSHA`` goes first and only a ``NOSCRIPT`` reply (a server that has
-not seen the script yet) loads it. A cluster pipeline refuses ``EVALSHA`` altogether, so cluster calls go to their
-node's own client (one pipeline per node), or, with asyncio, run at once.
+not seen the script yet) loads it. A synchronous cluster pipeline refuses ``EVALSHA`` (the method; the command
+itself routes by its keys), so synchronous cluster calls go to their node's own client (one pipeline per node);
+the asyncio cluster pipeline sends ``EVALSHA`` through ``execute_command`` (one pipeline per node, redirections
+followed by redis-py). A request's calls share the tenant's hash tag (:mod:`cpmemory.stores.keys`), so they are
+one node and one round trip.
 """
 from __future__ import annotations
 
-import asyncio
+import contextlib
 import os
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -146,12 +150,109 @@ def _idle_stack(pool: Any) -> list[Any]:
     return entry[1]
 
 
-def direct_runner(client: Any, scripts: dict[str, Any], retries: int) -> DirectScriptRunner | None:
-    """A DirectScriptRunner for a standalone synchronous client with a standard pool; None otherwise."""
+_AGAIN = object()  # a call ClusterScriptRunner runs again through the cluster client
+
+
+def _standalone_with_pool(client: Any) -> bool:
     import redis
 
-    pool = getattr(client, "connection_pool", None)
-    if isinstance(client, redis.Redis) and isinstance(pool, redis.ConnectionPool):
+    return isinstance(client, redis.Redis) and isinstance(getattr(client, "connection_pool", None),
+                                                          redis.ConnectionPool)
+
+
+class ClusterScriptRunner:
+    """Runs the registered scripts on a synchronous ``RedisCluster`` through a :class:`DirectScriptRunner` per
+    node: the node of the call's first key (its slot, from the client's slot map) gets the call straight on one of
+    its pooled sockets, as on a standalone server.
+
+    Why: redis-py's cluster command path (slot lookup, command policies, the retry loop, observability hooks) and a
+    node pipeline cost more than the loopback round trip itself. What redis-py does better is kept: a reply that is
+    a cluster redirection or refusal (``MOVED``, ``ASK``, ``TRYAGAIN``, ``CLUSTERDOWN``), or a node that cannot be
+    reached (``ConnectionError`` after the direct runner's own retry), runs that call again through the cluster
+    client's ``Script``, which follows the redirection, refreshes its slot map (the next call goes to the new node)
+    and retries with the client's policy. Thread-safe (one runner per node, created once; the idle stacks are the
+    node pools').
+    """
+
+    def __init__(self, client: Any, scripts: dict[str, Any], retries: int) -> None:
+        from redis.exceptions import AskError, ClusterDownError, RedisClusterException, TryAgainError
+        from redis.exceptions import ConnectionError as RedisConnectionError
+
+        self._client = client
+        self._scripts = scripts
+        self._retries = retries
+        self._runners: dict[str, tuple[Any, DirectScriptRunner | None]] = {}  # node name -> (its pool, runner)
+        # what the cluster client handles better: redirections (MovedError is an AskError), refusals, a lost node
+        self._again = (AskError, TryAgainError, ClusterDownError, RedisConnectionError)
+        self._no_slot = RedisClusterException  # e.g. SlotNotCoveredError: the client refreshes its map
+
+    def _runner(self, key: str) -> DirectScriptRunner | None:
+        """The direct runner of the node holding ``key``'s slot (None: let the cluster client route the call)."""
+        try:
+            node = self._client.get_node_from_key(key)
+            connection = node.redis_connection or self._client.get_redis_connection(node)
+        except self._no_slot:
+            return None
+        entry = self._runners.get(node.name)
+        if entry is None or entry[0] is not connection.connection_pool:  # a new node, or its client was replaced
+            runner = (DirectScriptRunner(connection, self._scripts, self._retries)
+                      if _standalone_with_pool(connection) else None)
+            entry = self._runners[node.name] = (connection.connection_pool, runner)
+        return entry[1]
+
+    def _through_client(self, call: ScriptCall) -> Any:
+        return self._scripts[call.script](keys=call.keys, args=call.args)
+
+    def __call__(self, call: ScriptCall) -> Any:
+        """Run one script call: one round trip on the slot's node (redirections: through the cluster client)."""
+        runner = self._runner(call.keys[0])
+        if runner is None:
+            return self._through_client(call)
+        try:
+            return runner(call)
+        except self._again:
+            return self._through_client(call)
+
+    def run_many(self, calls: Sequence[ScriptCall]) -> list[Any]:
+        """Run several calls, one pipeline per node (one round trip when they share a slot, as a request's calls
+        do); error replies are returned as exceptions, redirected calls run again through the cluster client."""
+        from redis.exceptions import ResponseError
+
+        by_runner: dict[int, tuple[DirectScriptRunner | None, list[int]]] = {}
+        for position, call in enumerate(calls):
+            runner = self._runner(call.keys[0])
+            by_runner.setdefault(id(runner), (runner, []))[1].append(position)
+        replies: list[Any] = [None] * len(calls)
+        for runner, positions in by_runner.values():
+            part: list[Any] = [_AGAIN] * len(positions)
+            if runner is not None:
+                with contextlib.suppress(*self._again):  # a lost node: every call through the cluster client
+                    part = runner.run_many([calls[position] for position in positions])
+            for position, reply in zip(positions, part):
+                if reply is _AGAIN or isinstance(reply, self._again):
+                    try:
+                        reply = self._through_client(calls[position])
+                    except ResponseError as error:
+                        reply = error
+                replies[position] = reply
+        return replies
+
+    def close(self) -> None:
+        """Hand every node runner's idle connections back to its pool."""
+        for _, runner in list(self._runners.values()):
+            if runner is not None:
+                runner.close()
+
+
+def direct_runner(client: Any, scripts: dict[str, Any],
+                  retries: int) -> DirectScriptRunner | ClusterScriptRunner | None:
+    """A DirectScriptRunner for a standalone synchronous client with a standard pool, a ClusterScriptRunner for a
+    synchronous ``RedisCluster``; None otherwise (the store then goes through redis-py)."""
+    from redis.cluster import RedisCluster
+
+    if isinstance(client, RedisCluster):
+        return ClusterScriptRunner(client, scripts, retries)
+    if _standalone_with_pool(client):
         return DirectScriptRunner(client, scripts, retries)
     return None
 
@@ -202,7 +303,8 @@ def run_pipelined(client: Any, calls: Sequence[ScriptCall], scripts: dict[str, A
 
 
 async def run_pipelined_async(client: Any, calls: Sequence[ScriptCall], scripts: dict[str, Any]) -> list[Any]:
-    """Run ``calls`` on an asyncio redis-py client: one pipeline (a cluster: every call at once)."""
+    """Run ``calls`` on an asyncio redis-py client: one pipeline (a cluster: one per node, at once; redis-py
+    follows a redirection), then each ``NOSCRIPT`` call again through its ``Script`` (which loads it)."""
     from redis.exceptions import NoScriptError, ResponseError
 
     async def one(call: ScriptCall) -> Any:
@@ -211,11 +313,9 @@ async def run_pipelined_async(client: Any, calls: Sequence[ScriptCall], scripts:
         except ResponseError as error:
             return error
 
-    if hasattr(client, "nodes_manager"):
-        return list(await asyncio.gather(*(one(call) for call in calls)))
     pipe = client.pipeline(transaction=False)
-    for call in calls:
-        pipe.evalsha(scripts[call.script].sha, len(call.keys), *call.keys, *call.args)
+    for call in calls:  # execute_command: a cluster pipeline refuses the evalsha method, not the command
+        pipe.execute_command("EVALSHA", scripts[call.script].sha, len(call.keys), *call.keys, *call.args)
     replies = list(await pipe.execute(raise_on_error=False))
     for position, reply in enumerate(replies):
         if isinstance(reply, NoScriptError):

@@ -1,11 +1,14 @@
 """Session state in Redis: two-phase turns, one round trip each, tenant-isolated, cluster-ready.
 
 Every operation is one Lua script run by SHA (``EVALSHA``; reloaded on ``NOSCRIPT``, e.g. after a server restart)
-over the five keys of one conversation (see :mod:`cpmemory.stores.keys`), which share one hash tag and therefore one
-Redis Cluster slot. The scripts live in ``cpmemory/stores/lua/*.lua`` with their ``KEYS``/``ARGV`` contract at the
-top; ``common.lua`` is prepended to each. They are registered with redis-py's ``register_script``; on a standalone
-synchronous client they are sent by :class:`~cpmemory.stores.redis_runner.DirectScriptRunner` (see there why),
-otherwise pipelined through redis-py (:mod:`cpmemory.stores.redis_runner`).
+over the five keys of one conversation or the keys of its tenant's shared decision state (see
+:mod:`cpmemory.stores.keys`): every key of one tenant shares the tenant's hash tag and therefore one Redis Cluster
+slot, so a request's two calls (the conversation's and the decisions') are one pipeline to one node. The scripts
+live in ``cpmemory/stores/lua/*.lua`` with their ``KEYS``/``ARGV`` contract at the top; ``common.lua`` is prepended
+to each. They are registered with redis-py's ``register_script``; on a synchronous client they are sent by
+:class:`~cpmemory.stores.redis_runner.DirectScriptRunner` (standalone) or
+:class:`~cpmemory.stores.redis_runner.ClusterScriptRunner` (cluster; see there why), otherwise pipelined through
+redis-py (:mod:`cpmemory.stores.redis_runner`).
 
 The request encoding and the reply decoding are sans-IO (:class:`RedisSessionCodec`), shared by the synchronous
 :class:`RedisSessionStore` (``redis.Redis`` / ``redis.cluster.RedisCluster``) and the asyncio
@@ -103,8 +106,10 @@ class RedisSessionStore(_RedisStoreBase):
     """Synchronous SessionStore on ``redis.Redis`` or ``redis.cluster.RedisCluster``. One round trip per call.
 
     Thread-safe. On a standalone ``redis.Redis`` the scripts run through
-    :class:`~cpmemory.stores.redis_runner.DirectScriptRunner` (pass ``direct=False`` to go through redis-py's
-    command path instead, e.g. to keep a custom retry policy); cluster clients always go through redis-py.
+    :class:`~cpmemory.stores.redis_runner.DirectScriptRunner`, on a ``RedisCluster`` through
+    :class:`~cpmemory.stores.redis_runner.ClusterScriptRunner` (a direct runner per node; redirections go through
+    the cluster client); pass ``direct=False`` to go through redis-py's command path instead (e.g. to keep a custom
+    retry policy).
     """
 
     @classmethod

@@ -186,6 +186,117 @@ def test_facades_on_a_cluster_decide_as_one(redis_cluster):
     assert first.counters.snapshot()["fallbacks"] == second.counters.snapshot()["fallbacks"] == 0
 
 
+def _cluster_turns(memory, tenants: int = 6, turns: int = 3):
+    """(tenant, turn number, prompt) for ``turns`` turns of two conversations of each of ``tenants`` tenants, the
+    caller's history given (a first turn walks the shared trie and is recorded; a later one is counted only)."""
+    for tenant in range(tenants):
+        for conversation in range(2):
+            history = []
+            for turn in range(turns):
+                ids = [(tenant * 7 + conversation * 3 + turn + step) % 40 for step in range(4)]
+                yield f"tenant-{tenant}", turn, ids, history
+                history = [*history, {"role": "user", "content": f"q{turn}"}, {"role": "assistant", "content": "a"}]
+
+
+def _counting_cluster(url: str, prefix: str, direct: bool):
+    from redis.cluster import RedisCluster
+
+    sends = []
+
+    class Counting(redis.Connection):
+        def send_packed_command(self, command, check_health=True):
+            sends.append(1)
+            super().send_packed_command(command, check_health)
+
+    config = RedisStoreConfig(prefix=prefix)
+    client = RedisCluster.from_url(url, **config.client_kwargs(), connection_class=Counting)
+    return RedisSessionStore(client, config, direct=direct), sends
+
+
+@pytest.mark.cluster
+@pytest.mark.parametrize("direct", [True, False])  # False: through redis-py (each node's own pipeline)
+def test_a_request_on_a_cluster_costs_two_round_trips_in_all(redis_cluster, direct):
+    # Six tenants (their slots spread over the three masters), two conversations each, first and later turns: the
+    # conversation's keys and the tenant's decision keys share the tenant's hash tag, so each of prepare and
+    # commit is one round trip to one node (before: one per node, 2.55 per request in the store bench).
+    store, sends = _counting_cluster(redis_cluster.url, f"cpmtest-dec-{uuid.uuid4().hex[:8]}", direct)
+    memory = CpMemory(store=store)
+    nodes = {store.client.get_node_from_key(store.key_scheme.decision_keys(f"tenant-{n}")[0]).name for n in range(6)}
+    for tenant in range(6):  # the scripts are loaded once per node (NOSCRIPT), outside the counts
+        memory.commit(memory.prepare("warm", "q", blocks(1, 2), history=[], tenant=f"tenant-{tenant}"), "a")
+    counts = []
+    for tenant, turn, ids, history in _cluster_turns(memory):
+        sends.clear()
+        prepared = memory.prepare(f"c{len(counts)}", "q", blocks(*ids), history=history, tenant=tenant)
+        at_prepare = len(sends)
+        memory.commit(prepared, "a")
+        assert prepared.prompt_order and not prepared.degraded
+        counts.append((turn, at_prepare, len(sends)))
+    store.close()
+    assert len(nodes) >= 2  # the tenants do live on different nodes
+    assert {(at_prepare, total) for _, at_prepare, total in counts} == {(1, 2)}, counts
+    assert {turn for turn, _, _ in counts} == {0, 1, 2}
+    assert memory.counters.snapshot()["fallbacks"] == 0
+
+
+@pytest.mark.cluster
+def test_a_moved_slot_is_followed_on_a_cluster(redis_cluster):
+    # A client whose slot map sends the tenant's calls to the wrong node gets MOVED: the cluster client follows it
+    # and refreshes its map, and the next request is one round trip again, on the right node.
+    store, sends = _counting_cluster(redis_cluster.url, f"cpmtest-dec-{uuid.uuid4().hex[:8]}", True)
+    memory = CpMemory(store=store)
+    memory.commit(memory.prepare("warm", "q", blocks(1, 2), history=[]), "a")
+    slot = store.client.keyslot(store.key_scheme.decision_keys("default")[0])
+    right = store.client.nodes_manager.slots_cache[slot][0]
+    wrong = next(node for node in store.client.get_primaries() if node.name != right.name)
+    store.client.nodes_manager.slots_cache[slot] = [wrong]
+    turn = memory.prepare("a", "q", blocks(3, 1, 2), history=[])
+    memory.commit(turn, "a")
+    assert turn.prompt_order and not turn.degraded
+    assert store.client.nodes_manager.slots_cache[slot][0].name == right.name
+    sends.clear()
+    again = memory.prepare("b", "q", blocks(3, 1, 2), history=[])
+    assert len(sends) == 1 and again.prompt_order == turn.prompt_order and not again.degraded
+    assert memory.counters.snapshot()["fallbacks"] == 0
+    store.close()
+
+
+@pytest.mark.cluster
+def test_an_asyncio_request_on_a_cluster_costs_two_round_trips_in_all(redis_cluster, monkeypatch):
+    from redis.asyncio.connection import Connection
+
+    sends = []
+    send = Connection.send_packed_command
+
+    async def counting(self, command, check_health=True):  # the asyncio cluster client takes no connection_class
+        sends.append(1)
+        await send(self, command, check_health)
+
+    monkeypatch.setattr(Connection, "send_packed_command", counting)
+
+    async def run():
+        config = RedisStoreConfig(prefix=f"cpmtest-dec-{uuid.uuid4().hex[:8]}")
+        store = AsyncRedisSessionStore.from_url(redis_cluster.url, config, cluster=True)
+        memory = AsyncCpMemory(store=store)
+        for tenant in range(6):
+            warm = await memory.prepare("warm", "q", blocks(1, 2), history=[], tenant=f"tenant-{tenant}")
+            await memory.commit(warm, "a")
+        counts = []
+        for tenant, turn, ids, history in _cluster_turns(memory):
+            sends.clear()
+            prepared = await memory.prepare(f"c{len(counts)}", "q", blocks(*ids), history=history, tenant=tenant)
+            at_prepare = len(sends)
+            await memory.commit(prepared, "a")
+            assert prepared.prompt_order and not prepared.degraded
+            counts.append((turn, at_prepare, len(sends)))
+        await store.close()
+        return counts, memory.counters.snapshot()["fallbacks"]
+
+    counts, fallbacks = asyncio.run(run())
+    assert {(at_prepare, total) for _, at_prepare, total in counts} == {(1, 2)}, counts
+    assert fallbacks == 0
+
+
 def test_evictions_and_the_bound_take_requests_off_the_shared_state(prefix):
     store = _with_limits(RedisSessionStore.from_url(redis_url(), RedisStoreConfig(prefix=prefix)), max_requests=2)
     store.decide_order("t", ["a", "b"], [1.0, 1.0], "r1")
