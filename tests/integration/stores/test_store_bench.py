@@ -58,4 +58,7 @@ def test_bench_store_json_rows(real_redis: str) -> None:
         assert 300 * 100 < row["tenant_memory_bytes"] < 300 * 10_000  # about 1 KB per recorded order
         assert row["decision_max_requests"] == 100_000
     assert rows["redis"]["facade_round_trips_per_request"] == 2.0  # prepare + commit, on the socket
+    if "skipped" not in rows["cluster"]:  # the conversation's and the tenant's keys on one node: one pipeline each
+        assert rows["cluster"]["facade_round_trips_per_request"] == 2.0
+        assert (rows["cluster"]["round_trips_per_prepare"], rows["cluster"]["round_trips_per_commit"]) == (1.0, 1.0)
     assert rows["memory"]["facade_fallbacks"] == 0 and rows["memory"]["shared_state_requests"] == 0
