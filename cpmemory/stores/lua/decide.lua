@@ -36,6 +36,9 @@
 -- and every redis.call, number formatted or parsed, string built and Lua-side comparison costs about a
 -- microsecond, so a node's children sit in one field, numbers cross as binary structs, and sorts compare numbers.
 
+-- A global is a table lookup on every use (and a library function two): the hot ones are read once, as locals.
+local call, sub, find, spack, sunpack = redis.call, string.sub, string.find, struct.pack, struct.unpack
+
 local mode = ARGV[1]
 local ttl = tonumber(ARGV[2])
 local max_requests = tonumber(ARGV[3])
@@ -56,17 +59,17 @@ local refresh_now = false
 
 local clock, since = 0, 0  -- requests recorded, oldest clock trusted: unread when the call only observes
 if mode ~= 'order' or budget > 0 or gap ~= '' then
-  local meta = redis.call('HMGET', KEYS[2], '#clock', '#since')
+  local meta = call('HMGET', KEYS[2], '#clock', '#since')
   clock, since = tonumber(meta[1] or '0'), tonumber(meta[2] or '0')
 end
 
 local function hmget(key, fields)
   if #fields <= CHUNK then
-    return redis.call('HMGET', key, unpack(fields))
+    return call('HMGET', key, unpack(fields))
   end
   local values = {}
   for start = 1, #fields, CHUNK do
-    local part = redis.call('HMGET', key, unpack(fields, start, math.min(start + CHUNK - 1, #fields)))
+    local part = call('HMGET', key, unpack(fields, start, math.min(start + CHUNK - 1, #fields)))
     for i = 1, #part do
       values[#values + 1] = part[i]
     end
@@ -75,14 +78,14 @@ local function hmget(key, fields)
 end
 
 local function server_ms()
-  local t = redis.call('TIME')
+  local t = call('TIME')
   return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 end
 
 -- A gap: every node used so far is no longer trusted (the engine's cache moved on while nothing was recorded).
 local function distrust(now)
   since = clock + 1
-  redis.call('HSET', KEYS[2], '#since', since, '#gap_ms', now)
+  call('HSET', KEYS[2], '#since', since, '#gap_ms', now)
 end
 
 -- Indices 1..n sorted by (primary ascending, secondary ascending); secondary values are distinct numbers.
@@ -142,7 +145,7 @@ local function unpack_all(kind, packed, n)
   local out, position, width = {}, 1, struct.size('>' .. kind)
   for start = 1, n, CHUNK do
     local count = math.min(CHUNK, n - start + 1)
-    local part = {struct.unpack('>' .. string.rep(kind, count), packed, position)}
+    local part = {sunpack('>' .. string.rep(kind, count), packed, position)}
     for i = 1, count do
       out[start + i - 1] = part[i]
     end
@@ -154,7 +157,7 @@ end
 local function split_blocks(packed)
   local blocks = {}
   for start = 1, #packed, 8 do
-    blocks[#blocks + 1] = string.sub(packed, start, start + 7)
+    blocks[#blocks + 1] = sub(packed, start, start + 7)
   end
   return blocks
 end
@@ -167,7 +170,7 @@ local function open(parent)
   if parent == '' then
     return {parent, nil, false}
   end
-  local records = redis.call('HGET', KEYS[1], parent)
+  local records = call('HGET', KEYS[1], parent)
   if records == '' then
     return {parent, nil, false}
   end
@@ -177,7 +180,7 @@ end
 local function position(records, block)  -- where block's record starts in records, or nil
   local start = 1
   while true do
-    local at = string.find(records, block, start, true)
+    local at = find(records, block, start, true)
     if not at or (at - 1) % RECORD == 0 then
       return at
     end
@@ -188,10 +191,10 @@ end
 local function child(container, block)  -- the child's ENTRY, or nil
   local records = container[2]
   if records == nil then
-    return redis.call('HGET', KEYS[1], container[1] .. block) or nil
+    return call('HGET', KEYS[1], container[1] .. block) or nil
   end
   local at = position(records, block)
-  return at and string.sub(records, at + 8, at + RECORD - 1)
+  return at and sub(records, at + 8, at + RECORD - 1)
 end
 
 local function put(container, block, entry)  -- entry nil: the child goes
@@ -207,9 +210,9 @@ local function put(container, block, entry)  -- entry nil: the child goes
   end
   local at = position(records, block)
   if at and entry then
-    records = string.sub(records, 1, at + 7) .. entry .. string.sub(records, at + RECORD)
+    records = sub(records, 1, at + 7) .. entry .. sub(records, at + RECORD)
   elseif at then
-    records = string.sub(records, 1, at - 1) .. string.sub(records, at + RECORD)
+    records = sub(records, 1, at - 1) .. sub(records, at + RECORD)
   elseif entry then
     records = records .. block .. entry
   end
@@ -225,8 +228,8 @@ local function close(container)  -- a narrow node's records written back; past F
     dels[#dels + 1] = parent
   elseif #records > FANOUT * RECORD then
     for at = 1, #records, RECORD do
-      sets[#sets + 1] = parent .. string.sub(records, at, at + 7)
-      sets[#sets + 1] = string.sub(records, at + 8, at + RECORD - 1)
+      sets[#sets + 1] = parent .. sub(records, at, at + 7)
+      sets[#sets + 1] = sub(records, at + 8, at + RECORD - 1)
     end
     sets[#sets + 1] = parent
     sets[#sets + 1] = ''
@@ -238,10 +241,10 @@ end
 
 local function flush()  -- sets first: a node that went also loses the fields written for it
   for start = 1, #sets, 2 * CHUNK do
-    redis.call('HSET', KEYS[1], unpack(sets, start, math.min(start + 2 * CHUNK - 1, #sets)))
+    call('HSET', KEYS[1], unpack(sets, start, math.min(start + 2 * CHUNK - 1, #sets)))
   end
   for start = 1, #dels, CHUNK do
-    redis.call('HDEL', KEYS[1], unpack(dels, start, math.min(start + CHUNK - 1, #dels)))
+    call('HDEL', KEYS[1], unpack(dels, start, math.min(start + CHUNK - 1, #dels)))
   end
   sets, dels = {}, {}
 end
@@ -250,19 +253,19 @@ end
 local function release(path)
   local parent = ''
   for start = 1, #path, 8 do
-    local block = string.sub(path, start, start + 7)
+    local block = sub(path, start, start + 7)
     local container = open(parent)
     local entry = child(container, block)
     if not entry then
       break
     end
-    local id, count, last = struct.unpack(ENTRY, entry)
-    parent = string.sub(entry, 1, 6)
+    local id, count, last = sunpack(ENTRY, entry)
+    parent = sub(entry, 1, 6)
     if count <= 1 then
       put(container, block, nil)
       dels[#dels + 1] = parent  -- its own children field (records or the wide mark) goes with it
     else
-      put(container, block, struct.pack(ENTRY, id, count - 1, last))
+      put(container, block, spack(ENTRY, id, count - 1, last))
     end
     close(container)
   end
@@ -270,12 +273,12 @@ local function release(path)
 end
 
 local function evict(id)
-  local path = redis.call('HGET', KEYS[4], id)
+  local path = call('HGET', KEYS[4], id)
   if not path then
     return 0
   end
-  redis.call('HDEL', KEYS[4], id)
-  redis.call('ZREM', KEYS[5], id)
+  call('HDEL', KEYS[4], id)
+  call('ZREM', KEYS[5], id)
   release(path)
   return 1
 end
@@ -283,30 +286,30 @@ end
 -- Count the request's blocks and add the request to their postings (core/online.py: observe). Returns the
 -- request's ordinal and each block's value after it (struct COUNTS, then the posting).
 local function observe(blocks)
-  if redis.call('HLEN', KEYS[3]) > max_blocks then  -- bounded: forget the popularity learnt so far
-    redis.call('DEL', KEYS[3])
+  if call('HLEN', KEYS[3]) > max_blocks then  -- bounded: forget the popularity learnt so far
+    call('DEL', KEYS[3])
   end
-  local ordinal = redis.call('HINCRBY', KEYS[3], '#seen', 1)
+  local ordinal = call('HINCRBY', KEYS[3], '#seen', 1)
   refresh_now = refresh_now or ordinal == 1
   local values = hmget(KEYS[3], blocks)
   local out, pairs = {}, {}
-  local own = struct.pack('>I4', ordinal % 4294967296)
+  local own = spack('>I4', ordinal % 4294967296)
   for i = 1, #blocks do
     local count, first, posting = 0, ordinal, ''
     local value = values[i]
     if value then
-      count, first = struct.unpack(COUNTS, value)
-      posting = string.sub(value, 13)
+      count, first = sunpack(COUNTS, value)
+      posting = sub(value, 13)
       if #posting >= 4 * posting_length then
-        posting = string.sub(posting, #posting - 4 * (posting_length - 1) + 1)
+        posting = sub(posting, #posting - 4 * (posting_length - 1) + 1)
       end
     end
-    out[i] = struct.pack(COUNTS, count + 1, first) .. posting .. own
+    out[i] = spack(COUNTS, count + 1, first) .. posting .. own
     pairs[2 * i - 1] = blocks[i]
     pairs[2 * i] = out[i]
   end
   for start = 1, #pairs, 2 * CHUNK do
-    redis.call('HSET', KEYS[3], unpack(pairs, start, math.min(start + 2 * CHUNK - 1, #pairs)))
+    call('HSET', KEYS[3], unpack(pairs, start, math.min(start + 2 * CHUNK - 1, #pairs)))
   end
   return ordinal, out
 end
@@ -318,7 +321,7 @@ local function children_among(parent, blocks, index_of, path, entries, indices)
   local depth_of, path_at, depth = path[1], path[2], path[3]
   local records = ''  -- the root is wide
   if parent ~= '' then
-    records = redis.call('HGET', KEYS[1], parent)  -- false: no children
+    records = call('HGET', KEYS[1], parent)  -- false: no children
   end
   local found = 0
   if records == '' then  -- wide (the root, or the mark): one field per child
@@ -341,11 +344,11 @@ local function children_among(parent, blocks, index_of, path, entries, indices)
     end
   elseif records and #records < RECORD * #blocks then  -- fewer children than blocks: read each child
     for at = 1, #records, RECORD do
-      local i = index_of[string.sub(records, at, at + 7)]
+      local i = index_of[sub(records, at, at + 7)]
       local placed = i and depth_of[i]
       if i and (placed == nil or placed > depth or path_at[placed] ~= i) then
         found = found + 1
-        entries[found], indices[found] = string.sub(records, at + 8, at + RECORD - 1), i
+        entries[found], indices[found] = sub(records, at + 8, at + RECORD - 1), i
       end
     end
   elseif records then  -- else look each block up (a plain find, in C)
@@ -355,7 +358,7 @@ local function children_among(parent, blocks, index_of, path, entries, indices)
         local at = position(records, blocks[i])
         if at then
           found = found + 1
-          entries[found], indices[found] = string.sub(records, at + 8, at + RECORD - 1), i
+          entries[found], indices[found] = sub(records, at + 8, at + RECORD - 1), i
         end
       end
     end
@@ -397,7 +400,7 @@ local function match(blocks, size, rank)
       path[3] = depth
       local kept = 0
       for j = 1, children_among(node, blocks, index_of, path, entries, indices) do
-        local last = struct.unpack('>I6', entries[j], 11)  -- ENTRY's last use
+        local last = sunpack('>I6', entries[j], 11)  -- ENTRY's last use
         if last >= since then
           local i = indices[j]
           kept = kept + 1
@@ -409,7 +412,7 @@ local function match(blocks, size, rank)
         local j = ids[k]
         local i = indices[j]
         top = top + 1
-        stack[top] = {string.sub(entries[j], 1, 6), scores[k], left - size[i], i, entry, depth + 1}
+        stack[top] = {sub(entries[j], 1, 6), scores[k], left - size[i], i, entry, depth + 1}
       end
     end
   end
@@ -440,26 +443,26 @@ local function record(order)
     end
     local id, count = 0, 0
     if entry then
-      id, count = struct.unpack(ENTRY, entry)
+      id, count = sunpack(ENTRY, entry)
     else
       if next_id > last_id then  -- this node and every one below it are new: their ids at once
-        last_id = redis.call('HINCRBY', KEYS[2], '#n', #order - depth + 1)
+        last_id = call('HINCRBY', KEYS[2], '#n', #order - depth + 1)
         next_id = last_id - (#order - depth)
       end
       id, next_id = next_id, next_id + 1
     end
-    entry = struct.pack(ENTRY, id, count + 1, clock)
+    entry = spack(ENTRY, id, count + 1, clock)
     put(container, block, entry)
     close(container)
-    parent = string.sub(entry, 1, 6)
+    parent = sub(entry, 1, 6)
   end
   flush()
-  redis.call('HSET', KEYS[2], '#clock', clock)
-  redis.call('HSET', KEYS[4], request_id, table.concat(order))
-  redis.call('ZADD', KEYS[5], clock, request_id)
+  call('HSET', KEYS[2], '#clock', clock)
+  call('HSET', KEYS[4], request_id, table.concat(order))
+  call('ZADD', KEYS[5], clock, request_id)
   local forgotten = 0
-  while redis.call('ZCARD', KEYS[5]) > max_requests do
-    forgotten = forgotten + evict(redis.call('ZRANGE', KEYS[5], 0, 0)[1])
+  while call('ZCARD', KEYS[5]) > max_requests do
+    forgotten = forgotten + evict(call('ZRANGE', KEYS[5], 0, 0)[1])
   end
   return forgotten
 end
@@ -467,7 +470,7 @@ end
 local function refresh()  -- every key gets the TTL again on one call in 64 (PEXPIRE costs a call per key)
   if ttl > 0 and (refresh_now or math.random(64) == 1) then
     for i = 1, 5 do
-      redis.call('PEXPIRE', KEYS[i], ttl)
+      call('PEXPIRE', KEYS[i], ttl)
     end
   end
 end
@@ -476,7 +479,7 @@ if gap == 'reset' then
   distrust(server_ms())
 elseif gap ~= '' then
   local now = server_ms()
-  if tonumber(redis.call('HGET', KEYS[2], '#gap_ms') or '-1') < now - tonumber(gap) - GAP_SLACK_MS then
+  if tonumber(call('HGET', KEYS[2], '#gap_ms') or '-1') < now - tonumber(gap) - GAP_SLACK_MS then
     distrust(now)
   end
 end
