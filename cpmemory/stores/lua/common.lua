@@ -1,5 +1,6 @@
 -- common.lua: helpers prepended to every cpmemory script (not a script on its own).
--- Every script receives the five keys of ONE conversation (one hash tag, so one cluster slot):
+-- Every script but decide.lua receives the five keys of ONE conversation (under its tenant's hash tag, so one
+-- cluster slot):
 --   KEYS[1] state (hash)  KEYS[2] log (list)  KEYS[3] paths (list)  KEYS[4] res (zset)  KEYS[5] done (zset)
 -- and ARGV[1] = the conversation TTL in milliseconds (0 = no expiry), refreshed on every call: all five keys are
 -- refreshed together unless they are within min(1% of the TTL, 60 s) of it (each redis.call costs microseconds, so
