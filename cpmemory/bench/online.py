@@ -15,7 +15,7 @@ what arrived so far; the prompts run through a fresh ``PrefixCacheSimulator`` (t
 * ``trie``: a trie of the block orders sent; a request descends from the root into the child whose block it holds
   that most requests went through; its other blocks follow by frequency so far (the issue's simple rule);
 * ``cpmemory``: the product. W=1: ``CpMemory.prepare`` (no ``prompt_order``) then ``commit``, exactly as the
-  integrations call it; W>1: ``CpMemory.release_order`` (the proxy's hold-and-release order) first.
+  integrations call it; W>1: ``CpMemory.release_order`` (the proxy's hold-and-release order, told the cache size) first.
 
 ``gain_share`` = (hit rate - online ``original``) / (offline ``cpmemory`` - ``original``), same run.
 
@@ -224,7 +224,8 @@ class _Facade:
         if len(window) == 1:
             return list(window)
         prepared = self.context.prepared
-        order = self.builder.memory.release_order([list(prepared[i].blocks) for i in window])
+        order = self.builder.memory.release_order([list(prepared[i].blocks) for i in window],
+                                                  cache_tokens=_cache_tokens(self.context.simulator))
         ranked = [window[position] for position in order]
         trace = self.context.trace
         return keep_turn_order(ranked, [trace.sessions[i] for i in ranked]) if trace.multi_turn else ranked
@@ -236,6 +237,17 @@ class _Facade:
         built = builder.build_online(self.context.trace.requests[index], self.context.prepared[index])
         self.decision_ms = builder.middleware_ms  # prepare + commit, not the replay's own token counting
         return built
+
+
+def _cache_tokens(simulator: Any) -> int | None:
+    """What the product's window planner is told the engine caches: the simulated cache (a fleet's N caches
+    together, over which a window's requests spread), as the proxy knows its replicas' KV cache sizes."""
+    if simulator is None:
+        return None
+    caches = getattr(simulator, "caches", None)
+    if caches is not None:
+        return sum(int(cache.capacity_tokens) for cache in caches)
+    return int(simulator.capacity_tokens)
 
 
 ONLINE_FACTORIES = {

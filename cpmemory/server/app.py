@@ -19,11 +19,12 @@ import hashlib
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
 from cpmemory._version import __version__
+from cpmemory.core.blocks import Block
 from cpmemory.engines.client import AsyncEngineClient, EngineSettings
 from cpmemory.errors import (
     CpMemoryError,
@@ -150,8 +151,9 @@ def create_app(
         logger.info("requests to %s carry per-tenant cache salts; a gateway that cannot hash them (vllm-router "
                     "kv_aware) routes them without its prefix score: a single-tenant proxy can run with "
                     "--no-cache-salt", config.upstream)
-    service.hold = build_hold(config, service.memory, router, metrics)
     service.fit = build_fit(config, metrics)
+    service.hold = build_hold(config, service.memory, router, metrics,
+                              cache_tokens=lambda: fleet_cache_tokens(config, service.fit))
     tokenizer = build_tokenizer(config)
     http_client = getattr(dispatcher.transport, "client", None)
     if config.prompt_budget and http_client is not None:
@@ -196,15 +198,34 @@ def create_app(
     return app
 
 
-def build_hold(config: ServerConfig, memory: TurnMemory, router: Router, metrics: ProxyMetrics) -> HoldQueue | None:
+def build_hold(config: ServerConfig, memory: TurnMemory, router: Router, metrics: ProxyMetrics,
+               cache_tokens: Callable[[], int | None] | None = None) -> HoldQueue | None:
     """The hold-and-release queue when ``max_in_flight`` is set: the facade's ``release_order`` plans each window
-    (a memory without it releases first come first served); the bound scales with the healthy replicas."""
+    (a memory without it releases first come first served), told ``cache_tokens()`` (what the fleet's KV caches
+    hold, when known: a window that outgrows it is planned as a batch); the bound scales with the healthy
+    replicas."""
     if config.max_in_flight is None:
         return None
     release_order = getattr(memory, "release_order", None)
-    planner = None if release_order is None else (lambda requests, tenant: release_order(requests, tenant=tenant))
+    planner = None
+    if release_order is not None:
+        def planner(requests: Sequence[Sequence[Block]], tenant: str) -> Sequence[int]:
+            size = None if cache_tokens is None else cache_tokens()
+            if size is None:
+                return release_order(requests, tenant=tenant)  # type: ignore[no-any-return]
+            return release_order(requests, tenant=tenant, cache_tokens=size)  # type: ignore[no-any-return]
     return HoldQueue(config.max_in_flight, config.hold_ms / 1000.0, replicas=router.healthy_count, planner=planner,
                      observer=metrics)
+
+
+def fleet_cache_tokens(config: ServerConfig, fit: CacheFit | None) -> int | None:
+    """The KV cache of every replica together (a held window spreads over them): the sizes cache-fit admission
+    read from the engines when all are known, else ``replica_cache_tokens`` when given, else None (unknown)."""
+    if fit is not None and fit.capacities and all(size is not None for size in fit.capacities):
+        return sum(size for size in fit.capacities if size is not None)
+    if "replica_cache_tokens" in config.model_fields_set:
+        return config.replica_cache_tokens * max(1, len(config.engines))
+    return None
 
 
 def build_fit(config: ServerConfig, metrics: ProxyMetrics) -> CacheFit | None:

@@ -65,14 +65,19 @@ class TenantIndexes:
             return orderer.order(context, sizes)
 
     def release_order(
-        self, tenant: str, contexts: Sequence[Sequence[Hashable]], sizes: Sequence[Sequence[float]]
+        self,
+        tenant: str,
+        contexts: Sequence[Sequence[Hashable]],
+        sizes: Sequence[Sequence[float]],
+        capacity: float | None = None,
     ) -> list[int]:
         """Plan a window of waiting requests (``OnlineOrderer.plan_window``); return the order to run them in.
 
-        The block orders planned are kept (bounded) and used when these requests are prepared.
+        The block orders planned are kept (bounded) and used when these requests are prepared. ``capacity``: the
+        engine's prefix cache in the unit of ``sizes`` (None: unknown).
         """
         with self._lock:
-            schedule, orders = self._orderer(tenant).plan_window(contexts, sizes)
+            schedule, orders = self._orderer(tenant).plan_window(contexts, sizes, capacity)
             planned = self._planned.setdefault(tenant, OrderedDict())
             for keys, order in zip(contexts, orders):
                 if keys:

@@ -226,23 +226,34 @@ class FacadeCore:
         placement = self._indexes.order_and_place(tenant, context, sizes, uuid.uuid4().hex)
         return [block for key in placement.prefix for block in by_hash[key]]
 
-    def release_order(self, requests: Sequence[Iterable[BlockLike]], *, tenant: str = "default") -> list[int]:
+    def release_order(
+        self, requests: Sequence[Iterable[BlockLike]], *, tenant: str = "default", cache_tokens: int | None = None
+    ) -> list[int]:
         """The order in which to run waiting requests (the proxy's hold-and-release queue).
 
         The tenant's online planner orders the window (``cpmemory.core.online.OnlineOrderer.plan_window``): the
         block orders it decides are used when the requests are then prepared (without ``prompt_order``) in this
-        order (today the arrival order: running the best-cached first measured no better at W=32, see
-        docs/bench.md). Nothing is recorded in the index until they are prepared; their blocks count as retrieved.
+        order. A window that fits the engine's cache keeps the arrival order, each request ordered as at W=1
+        (running the best-cached first measured no better at W=32); a window whose blocks outgrow
+        ``cache_tokens`` is planned as a batch (block orders and a depth-first schedule), see docs/bench.md.
+        Nothing is recorded in the index until they are prepared; their blocks count as retrieved.
 
         Args:
             requests: the waiting requests' blocks, in arrival order.
             tenant: the tenant whose index decides.
+            cache_tokens: the engine's prefix (KV) cache in tokens, when known (the blocks are measured in
+                characters, ``config.chars_per_token`` to a token); None: the window is always ordered as it came.
 
         Returns:
             A permutation of ``range(len(requests))``.
+
+        Raises:
+            InvalidInputError: ``requests`` is not a list of block lists, or ``cache_tokens`` is negative.
         """
         if isinstance(requests, (str, bytes, Mapping)):
             raise InvalidInputError("requests must be a list of block lists")
+        if cache_tokens is not None and (isinstance(cache_tokens, bool) or cache_tokens < 0):
+            raise InvalidInputError(f"cache_tokens must be a non-negative number of tokens, got {cache_tokens!r}")
         ConversationKey(tenant, "batch")
         contexts, sizes = [], []
         for blocks in requests:
@@ -251,7 +262,8 @@ class FacadeCore:
                 length.setdefault(block.content_hash, float(len(block.text) + 1))
             contexts.append(list(length))
             sizes.append(list(length.values()))
-        return self._indexes.release_order(tenant, contexts, sizes)
+        capacity = None if cache_tokens is None else cache_tokens * self.config.chars_per_token
+        return self._indexes.release_order(tenant, contexts, sizes, capacity)
 
     def _insert_planned(self, tenant: str, blocks: Sequence[Any], ids: Sequence[str]) -> str:
         if not ids:

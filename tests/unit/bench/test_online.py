@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 from cpmemory.bench.loaders import load_synthetic
 from cpmemory.bench.online import ONLINE_STRATEGIES, Windows, gain_share
 from cpmemory.bench.replay import ReplaySettings, run_replay
-from cpmemory.bench.trace import Trace, write_trace
+from cpmemory.bench.trace import Trace, TraceBlock, TraceRequest, write_trace
 from cpmemory.cli import app
 from cpmemory.errors import InvalidInputError
 
@@ -68,3 +68,32 @@ def test_cli_prints_the_online_object(tmp_path, trace):
     assert result.exit_code == 0, result.output
     line = [row for row in result.output.splitlines() if row.startswith("{")][-1]
     assert set(json.loads(line)["online"]["strategies"]) == set(ONLINE_STRATEGIES)
+
+
+def _interleaved_clusters(clusters=6, per=12):
+    """Requests of six clusters arriving in turn: each holds its own block first, then its cluster's three."""
+    def words(tag):
+        return " ".join(f"{tag}w{i}" for i in range(60))
+
+    requests = []
+    for number in range(per):
+        for cluster in range(clusters):
+            shared = tuple(TraceBlock(f"c{cluster}-s{s}", f"shared {cluster} {s} " + words(f"c{cluster}s{s}"))
+                           for s in range(3))
+            own = TraceBlock(f"c{cluster}-own{number}", f"own {cluster} {number} " + words(f"c{cluster}o{number}"))
+            requests.append(TraceRequest(f"r{cluster}-{number}", 0, f"question {cluster} {number}", (own, *shared)))
+    return Trace("clusters", tuple(requests), multi_turn=False)
+
+
+def test_the_product_is_told_the_cache_size_and_plans_a_window_that_outgrows_it_as_a_batch():
+    # a 20% cache holds about three prompts: in arrival order each cluster's prefix is evicted before its next
+    # request (W=1: no better than original); a window of 24 is planned as a batch, clusters back to back
+    trace = _interleaved_clusters()
+    for window, floor in ((1, 0.0), (24, 0.4)):
+        report = run_replay(trace, ReplaySettings(capacity="20%", strategies=("original",)), online_window=window)
+        online = report.to_json()["online"]["strategies"]
+        ours = online.pop("cpmemory")
+        assert ours["no_loss_violations"] == 0
+        assert ours["hit_rate"] >= floor
+        if window > 1:
+            assert all(ours["hit_rate"] > other["hit_rate"] + 0.2 for other in online.values())

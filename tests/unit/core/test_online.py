@@ -3,10 +3,12 @@ from __future__ import annotations
 
 from collections import Counter
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cpmemory.core.online import OnlineOrderer
+from cpmemory.errors import InvalidInputError
 
 
 def sizes(keys):
@@ -103,6 +105,72 @@ def test_plan_window_shares_prefixes_inside_the_window_and_leaves_the_trie_uncha
     assert schedule == [0, 1, 2, 3]  # arrival order
     assert orders[1] == ["p", "q", "r"]  # the cached order, then r (a later request of the window holds it)
     assert orders[3][:1] == ["p"]  # matches request 1's tentatively recorded order
+    assert all(Counter(order) == Counter(keys) for order, keys in zip(orders, window))
+    orderer.check_integrity()
+    assert len(orderer) == 1
+
+
+def _two_clusters():
+    """Two clusters of requests arriving interleaved: each holds its cluster's three shared blocks and one own."""
+    window = []
+    for number in range(8):
+        window.append(["a1", "a2", "a3", f"a-own{number}"])
+        window.append(["b1", "b2", "b3", f"b-own{number}"])
+    return window
+
+
+def _hit_rate(window, schedule, orders, capacity_tokens):
+    """Run the prompts through an LRU prefix cache of ``capacity_tokens``: 10 distinct tokens per block."""
+    from cpmemory.bench.simulator import PrefixCacheSimulator
+
+    token_ids: dict[str, list[int]] = {}
+    cache = PrefixCacheSimulator(capacity_tokens)
+    cached = total = 0
+    for position in schedule:
+        tokens = [t for key in orders[position]
+                  for t in token_ids.setdefault(key, list(range(10 * len(token_ids), 10 * len(token_ids) + 10)))]
+        cached += cache.run(tokens)
+        total += len(tokens)
+    return cached / total
+
+
+def test_a_window_that_outgrows_the_cache_runs_its_clusters_back_to_back():
+    window = _two_clusters()
+    window_sizes = [sizes(keys) for keys in window]  # 40 per request, 640 for the window
+    schedule, orders = OnlineOrderer().plan_window(window, window_sizes, capacity=50.0)
+    assert sorted(schedule) == list(range(16))
+    clusters = ["a" if orders[position][0].startswith("a") else "b" for position in schedule]
+    assert clusters == sorted(clusters) or clusters == sorted(clusters, reverse=True)  # back to back
+    for position in schedule:
+        assert Counter(orders[position]) == Counter(window[position])  # every block kept
+        assert sorted(orders[position][:3]) == sorted(window[position][:3])  # the shared blocks first
+    # arrival order (what the planner does when it does not know the cache) evicts each cluster's prefix before
+    # its next request comes; the batch schedule keeps it cached
+    arrival = OnlineOrderer().plan_window(window, window_sizes)
+    assert arrival[0] == list(range(16))
+    assert _hit_rate(window, schedule, orders, 50) > _hit_rate(window, *arrival, 50) + 0.5
+
+
+def test_a_window_that_fits_the_cache_is_ordered_as_it_came():
+    window = _two_clusters()
+    window_sizes = [sizes(keys) for keys in window]
+    unknown, fits = OnlineOrderer(), OnlineOrderer()
+    for orderer in (unknown, fits):
+        orderer.record(["a2", "a1"], "old")
+    expected = unknown.plan_window(window, window_sizes)
+    assert fits.plan_window(window, window_sizes, capacity=640.0) == expected  # exactly the window: it fits
+    assert expected[0] == list(range(16)) and expected[1][0][:2] == ["a2", "a1"]  # the cached order first
+    with pytest.raises(InvalidInputError):
+        fits.plan_window(window, window_sizes, capacity=-1.0)
+
+
+def test_the_batch_plan_of_a_window_keeps_empty_requests_and_leaves_the_trie_unchanged():
+    orderer = OnlineOrderer()
+    orderer.record(["p", "q"], "old")
+    window = [["x", "y"], [], ["y", "x", "z"]]
+    schedule, orders = orderer.plan_window(window, [sizes(keys) for keys in window], capacity=1.0)
+    assert sorted(schedule) == [0, 1, 2] and schedule[-1] == 1 and orders[1] == []
+    assert orders[0][:2] == orders[2][:2]  # the two share their prefix
     assert all(Counter(order) == Counter(keys) for order, keys in zip(orders, window))
     orderer.check_integrity()
     assert len(orderer) == 1

@@ -11,6 +11,7 @@ from typing import Any
 import httpx
 import pytest
 
+from cpmemory.core.blocks import Block
 from cpmemory.core.invariants import check_no_loss
 from cpmemory.facade import AsyncCpMemory
 from cpmemory.server.app import ServerConfig, create_app
@@ -299,3 +300,31 @@ def test_serve_flags_reach_the_queue(monkeypatch):
     for bad in (["--max-in-flight", "0"], ["--max-in-flight", "2", "--hold-ms", "0"]):
         result = runner.invoke(cli, ["serve", "--engine", "http://127.0.0.1:9", *bad])
         assert result.exit_code == 2 and len(served) == 2
+
+
+def _cluster_window():
+    """Two clusters arriving in turn (each request: its cluster's three shared blocks, then one of its own)."""
+    window = []
+    for number in range(6):
+        for cluster in "ab":
+            window.append([Block(f"{cluster}{s}", f"{cluster} shared {s} " + "word " * 40) for s in range(3)]
+                          + [Block(f"{cluster}-own{number}", f"{cluster} own {number} " + "word " * 40)])
+    return window
+
+
+def test_the_hold_planner_is_told_the_fleet_cache_and_plans_a_window_that_outgrows_it_as_a_batch():
+    from cpmemory.server.app import fleet_cache_tokens
+    from cpmemory.server.fit import CacheFit
+
+    engines = ["http://engine-0", "http://engine-1"]
+    window = _cluster_window()  # about 12 x 220 characters, 660 tokens at 4 characters a token
+    small = create_app(ServerConfig(engines=engines, max_in_flight=1, replica_cache_tokens=100), memory=AsyncCpMemory())
+    unknown = create_app(ServerConfig(engines=engines, max_in_flight=1), memory=AsyncCpMemory())
+    assert fleet_cache_tokens(ServerConfig(engines=engines, replica_cache_tokens=100), None) == 200
+    assert fleet_cache_tokens(ServerConfig(engines=engines), None) is None  # the default size is not a reading
+    assert fleet_cache_tokens(ServerConfig(engines=engines), CacheFit([300, 500])) == 800  # read from the engines
+    assert fleet_cache_tokens(ServerConfig(engines=engines), CacheFit([300, None])) is None
+    order = small.state.service.hold._planner(window, "default")
+    clusters = [window[position][0].id[0] for position in order]
+    assert sorted(order) == list(range(12)) and clusters in (sorted(clusters), sorted(clusters, reverse=True))
+    assert list(unknown.state.service.hold._planner(window, "default")) == list(range(12))  # arrival order

@@ -1,7 +1,10 @@
 """The facade's online paths: prepare without prompt_order, order_blocks (no conversation), release_order."""
 from __future__ import annotations
 
+import pytest
+
 from cpmemory.core.invariants import check_no_loss
+from cpmemory.errors import InvalidInputError
 from cpmemory.facade import CpMemory
 
 TEXTS = {i: f"Document {i}: " + "word " * (5 + 3 * i) for i in range(10)}
@@ -42,6 +45,27 @@ def test_release_order_plans_the_window_and_prepare_uses_its_orders():
     # the blocks a later waiting request shares come first, so it starts with the earlier one's prefix
     assert set(turns[0].prompt_order[:2]) == {"2", "3"} and turns[2].prompt_order[:2] == turns[0].prompt_order[:2]
     assert set(turns[1].prompt_order) == {"7", "8"} and turns[3].prompt_order[:2] == turns[1].prompt_order
+    mem.check_index()
+
+
+def test_release_order_plans_a_window_that_outgrows_the_cache_as_a_batch():
+    mem = CpMemory()
+    # two clusters arriving in turn; about 12 x 4 blocks of ~30 characters: ~370 tokens at 4 characters a token
+    waiting = [blocks(1, 2, 3, 4 + number // 2 % 2) if number % 2 == 0 else blocks(6, 7, 8, 9 * (number // 2 % 2))
+               for number in range(12)]
+    assert mem.release_order(waiting, cache_tokens=10_000) == list(range(12))  # it fits: as it came
+    order = mem.release_order(waiting, cache_tokens=20)
+    assert sorted(order) == list(range(12))
+    assert [position % 2 for position in order] in ([0] * 6 + [1] * 6, [1] * 6 + [0] * 6)  # clusters back to back
+    turns = [mem.prepare(f"c{position}", "q", waiting[position]) for position in order]
+    for position, turn in zip(order, turns):
+        assert check_no_loss(waiting[position], turn.messages).ok
+        mem.commit(turn, "a")
+    for cluster, shared in ((0, {"1", "2", "3"}), (1, {"6", "7", "8"})):
+        firsts = {tuple(turn.prompt_order[:3]) for position, turn in zip(order, turns) if position % 2 == cluster}
+        assert len(firsts) == 1 and set(next(iter(firsts))) == shared  # one shared prefix per cluster
+    with pytest.raises(InvalidInputError):
+        mem.release_order(waiting, cache_tokens=-1)
     mem.check_index()
 
 
