@@ -55,18 +55,18 @@ def train_tokenizer(corpus_files: list[str]):
     return wrapped
 
 
-def build_model(tokenizer, seed: int):
-    """Create the random-weight Qwen2 model (bf16, tied embeddings)."""
+def build_model(tokenizer, seed: int, hidden: int = 256, intermediate: int = 768, layers: int = 4, heads: int = 4):
+    """Create the random-weight Qwen2 model (bf16, tied embeddings, 2 KV heads)."""
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     end_of_turn = tokenizer.convert_tokens_to_ids("<|im_end|>")
     config = Qwen2Config(
         vocab_size=VOCABULARY_SIZE,
-        hidden_size=256,
-        intermediate_size=768,
-        num_hidden_layers=4,
-        num_attention_heads=4,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
         num_key_value_heads=2,
         max_position_embeddings=32768,
         rope_theta=10000.0,
@@ -87,12 +87,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("output", help="folder to write the model into")
     parser.add_argument("--seed", type=int, default=0)
+    # the default shape is the CI model's; a wider one (e.g. --hidden 1024 --intermediate 4096 --layers 2 --heads 8,
+    # the same 2 KiB of KV cache per token) spends most of its prefill in linear layers, as large models do
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--intermediate", type=int, default=768)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--heads", type=int, default=4)
     arguments = parser.parse_args()
     started = time.perf_counter()
     corpus = sorted(glob.glob(os.path.join(sysconfig.get_paths()["stdlib"], "*.py")))[:200]
     tokenizer = train_tokenizer(corpus)
     tokenizer.save_pretrained(arguments.output)
-    model = build_model(tokenizer, arguments.seed)
+    model = build_model(tokenizer, arguments.seed, arguments.hidden, arguments.intermediate, arguments.layers,
+                        arguments.heads)
     model.save_pretrained(arguments.output)
     parameters = sum(parameter.numel() for parameter in model.parameters())
     print(f"built {arguments.output}: {parameters} parameters, vocabulary {len(tokenizer)}, "
