@@ -272,12 +272,7 @@ def plot_sweep(report: dict[str, Any], path: Path) -> None:
                       linewidth=2.4 if name == "cpmemory" else 1.4)
     axis.set(xlabel="arrival rate (requests/s, Poisson)", ylabel="time to first token (s)",
              title=f"{report['workload']}: TTFT by arrival rate")
-    axis.grid(alpha=0.3)
-    axis.legend()
-    figure.tight_layout()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
+    _save(plt, figure, axis, path)
 
 
 def plot_cdf(report: dict[str, Any], runs_ttft: dict[str, list[float]], path: Path) -> None:
@@ -295,6 +290,11 @@ def plot_cdf(report: dict[str, Any], runs_ttft: dict[str, list[float]], path: Pa
                       linewidth=2.4 if name == "cpmemory" else 1.4)
     axis.set(xlabel="time to first token (s)", ylabel="fraction of requests",
              title=f"{report['workload']}: TTFT CDF (mean speed-up x{report['ttft_mean_speedup']})")
+    _save(plt, figure, axis, path)
+
+
+def _save(plt: Any, figure: Any, axis: Any, path: Path) -> None:
+    """Grid, legend, layout; write the PNG (its folder made) and close the figure."""
     axis.grid(alpha=0.3)
     axis.legend()
     figure.tight_layout()

@@ -58,16 +58,16 @@ async def test_affinity_policy_routes_by_conversation(make_proxy) -> None:
     assert len(replicas) > 1
 
 
-async def test_a_kept_conversation_is_routed_without_a_tokenize_call_and_a_failed_one_moves_nothing(make_proxy) -> None:
-    """With KV-event routing, the prompt's engine hashes cost a /tokenize before the request can leave; a later turn
-    whose replica the router keeps needs none, and a tokenization that fails leaves the conversation where it is."""
+def synced_proxy(make_proxy, block_size: int, tokenizer=None):
+    """Two mock replicas behind a proxy whose router scores them by an event view, with a KV-sync hub wired to both
+    (no ZMQ: the subscribers are left out). Returns (proxy, hub, per-replica syncs, http client, the hosts that
+    received a ``/tokenize``)."""
     import httpx
 
     from cpmemory.engines.block_hashes import BlockHasher
     from cpmemory.engines.client import AsyncEngineClient, EngineSettings
     from cpmemory.engines.eviction_sync import EvictionSync
     from cpmemory.routing.prefix import EventPrefixView
-    from cpmemory.routing.router import conversation_affinity_key
     from cpmemory.server.kv_sync import KVSyncHub, _Replica
 
     proxy = make_proxy(2)
@@ -82,11 +82,24 @@ async def test_a_kept_conversation_is_routed_without_a_tokenize_call_and_a_faile
             return await fleet.handle_async_request(request)
 
     http = httpx.AsyncClient(transport=Counting())
-    hub = KVSyncHub(service.memory, proxy.fleet.urls, ["tcp://127.0.0.1:1", "tcp://127.0.0.1:2"], router.view)
+    hub = KVSyncHub(service.memory, proxy.fleet.urls, ["tcp://127.0.0.1:1", "tcp://127.0.0.1:2"], router.view,
+                    tokenizer=tokenizer)
+    hasher, syncs = BlockHasher(block_size), []
     for index, url in enumerate(proxy.fleet.urls):
-        sync = EvictionSync(service.memory.index_evictor(), BlockHasher(16))
-        hub._replicas[index] = _Replica(url, sync, None, AsyncEngineClient(EngineSettings(base_url=url), http=http))
+        syncs.append(EvictionSync(service.memory.index_evictor(), hasher))
+        hub._replicas[index] = _Replica(url, syncs[-1], None,
+                                        AsyncEngineClient(EngineSettings(base_url=url), http=http))
     service.kv_sync = hub
+    return proxy, hub, syncs, http, tokenized
+
+
+async def test_a_kept_conversation_is_routed_without_a_tokenize_call_and_a_failed_one_moves_nothing(make_proxy) -> None:
+    """With KV-event routing, the prompt's engine hashes cost a /tokenize before the request can leave; a later turn
+    whose replica the router keeps needs none, and a tokenization that fails leaves the conversation where it is."""
+    from cpmemory.routing.router import conversation_affinity_key
+
+    proxy, _, _, http, tokenized = synced_proxy(make_proxy, 16)
+    service, router = proxy.service, proxy.service.dispatcher.router
     payload = {"model": "tiny", "messages": [{"role": "user", "content": "What is it? " * 20}]}
     key = next(conversation_affinity_key("default", f"c{n}") for n in range(50)
                if router.ranking(conversation_affinity_key("default", f"c{n}"))[0] == proxy.fleet.urls[0])
@@ -122,44 +135,20 @@ async def test_with_a_local_tokenizer_no_prompt_goes_to_tokenize_and_the_hashes_
     import pytest
 
     pytest.importorskip("transformers")
-    import httpx
-
-    from cpmemory.engines.block_hashes import BlockHasher
-    from cpmemory.engines.client import AsyncEngineClient, EngineSettings
-    from cpmemory.engines.eviction_sync import EvictionSync
     from cpmemory.engines.local_tokenizer import LocalTokenizer
-    from cpmemory.routing.prefix import EventPrefixView, engine_blocks
-    from cpmemory.server.kv_sync import KVSyncHub, _Replica
+    from cpmemory.routing.prefix import engine_blocks
     from tests.chat_tokenizer import build_chat_tokenizer
 
-    proxy = make_proxy(2)
-    service, router = proxy.service, proxy.service.dispatcher.router
-    router.view = EventPrefixView(2)
-    fleet, tokenized = proxy.fleet.async_transport(), []
-
-    class Counting(httpx.AsyncBaseTransport):
-        async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
-            if request.url.path == "/tokenize":
-                tokenized.append(request.url.host)
-            return await fleet.handle_async_request(request)
-
     local = LocalTokenizer(str(build_chat_tokenizer(tmp_path)))
-    http = httpx.AsyncClient(transport=Counting())
-    hub = KVSyncHub(service.memory, proxy.fleet.urls, ["tcp://127.0.0.1:1", "tcp://127.0.0.1:2"], router.view,
-                    tokenizer=local)
-    hasher = BlockHasher(4)
-    syncs = []
-    for index, url in enumerate(proxy.fleet.urls):
-        syncs.append(EvictionSync(service.memory.index_evictor(), hasher))
-        hub._replicas[index] = _Replica(url, syncs[-1], None,
-                                        AsyncEngineClient(EngineSettings(base_url=url), http=http))
-    service.kv_sync = hub
+    proxy, hub, syncs, http, tokenized = synced_proxy(make_proxy, 4, tokenizer=local)
+    service = proxy.service
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "what is it? " * 8}]
     payload = {"model": "tiny", "messages": messages}
     try:
         hint = await service.route_hint(payload, sticky=False, key="k")
         assert hint.prompt is not None and tokenized == []
-        assert list(hint.prompt.keys) == list(engine_blocks(local.tokenize_now(messages), hasher, None).keys)
+        assert list(hint.prompt.keys) == list(engine_blocks(local.tokenize_now(messages), syncs[0].hasher,
+                                                            None).keys)
         hub.register_later(1, "req-1", payload, "default")
         await asyncio.gather(*hub._pending)
         assert tokenized == [] and hub.failures == 0
