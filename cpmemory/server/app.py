@@ -152,6 +152,7 @@ def create_app(
                     "kv_aware) routes them without its prefix score: a single-tenant proxy can run with "
                     "--no-cache-salt", config.upstream)
     service.fit = build_fit(config, metrics)
+    service.gateway_replicas = len(config.engines) if config.attributes_gateway else 0
     service.hold = build_hold(config, service.memory, router, metrics,
                               cache_tokens=lambda: fleet_cache_tokens(config, service.fit))
     tokenizer = build_tokenizer(config)
@@ -172,6 +173,8 @@ def create_app(
             from cpmemory.server.kv_sync import KVSyncHub
 
             event_view = router.view if isinstance(router.view, EventPrefixView) else None
+            if config.attributes_gateway:  # attribution only: the gateway routes
+                event_view = EventPrefixView(len(config.engines))
             service.kv_sync = KVSyncHub(service.memory, config.engines, config.kv_events, event_view, tokenizer)
             await service.kv_sync.start()
         try:
@@ -230,11 +233,13 @@ def fleet_cache_tokens(config: ServerConfig, fit: CacheFit | None) -> int | None
 
 def build_fit(config: ServerConfig, metrics: ProxyMetrics) -> CacheFit | None:
     """Cache-fit admission (cpmemory.server.fit) when on: one pool per replica (one for the fleet behind a
-    gateway), sized by ``replica_cache_tokens`` when it is given; :func:`size_fit` reads the engines' sizes."""
+    gateway, unless its replicas' KV events tell which replica served each turn), sized by ``replica_cache_tokens`` when it is given; :func:`size_fit` reads the engines' sizes."""
     if not config.fit:
         return None
     given = config.replica_cache_tokens if "replica_cache_tokens" in config.model_fields_set else None
-    if config.upstream is not None:  # the fleet's cache: every replica behind the gateway (one if none is named)
+    if config.attributes_gateway:  # one pool per replica behind the gateway: its KV events say which served a turn
+        pools, size = len(config.engines), given
+    elif config.upstream is not None:  # the fleet's cache: every replica behind the gateway (one if none is named)
         pools, size = 1, None if given is None else given * max(1, len(config.engines))
     else:
         pools, size = len(config.engines), given
@@ -259,7 +264,7 @@ async def size_fit(fit: CacheFit, config: ServerConfig) -> None:
                 sizes.append(None)
                 continue
             sizes.append(cache.num_blocks * cache.block_size if cache.num_blocks else None)
-    if config.upstream is not None:
+    if config.upstream is not None and not config.attributes_gateway:
         if sizes and all(size is not None for size in sizes):
             fit.set_capacity(0, sum(size for size in sizes if size is not None))
         return

@@ -47,8 +47,9 @@ class ServerConfig(BaseModel):
         tokenizer: the served model's tokenizer (directory or Hugging Face id): the proxy tokenizes prompts itself
             (``cpmemory.engines.local_tokenizer``) instead of asking each engine's ``/tokenize``.
         upstream: a gateway (vllm-router, llm-d, an SGLang router) that picks the replica; every call goes there.
-            ``engines`` are then the replicas behind it, used only for ``/tokenize`` and cache config with
-            ``kv_events`` (eviction sync); they may be left empty without ``kv_events``.
+            ``engines`` are then the replicas behind it, used only for ``/tokenize``, cache config and, with
+            ``kv_events``, to find out which replica served each turn (eviction sync there, and cache-fit admission
+            per replica: :attr:`attributes_gateway`); they may be left empty without ``kv_events``.
         replica_cache_tokens: each replica's cache size in tokens, for the router's view of what was sent where
             (used when the replicas publish no KV events).
         prompt_budget: fit every cpmemory turn's prompt to the engine: ``max_model_len`` (``/v1/models``) minus the
@@ -103,6 +104,11 @@ class ServerConfig(BaseModel):
         if len(value.get_secret_value()) < 16:
             raise ValueError("cache_salt_secret must have at least 16 characters")
         return value
+
+    @property
+    def attributes_gateway(self) -> bool:
+        """Behind a gateway whose replicas' KV events are given: the proxy learns which replica served each turn."""
+        return self.upstream is not None and bool(self.kv_events)
 
     @model_validator(mode="after")
     def _check_targets(self) -> ServerConfig:

@@ -184,6 +184,24 @@ class CacheFit:
         self.capacities[replica] = tokens
         self._pump()
 
+    def by_room(self, replicas: Sequence[int]) -> list[int]:
+        """``replicas`` ordered by the most room first (unknown capacity counts as unbounded)."""
+        return sorted(dict.fromkeys(replicas), key=self._free, reverse=True)
+
+    def move(self, key: str, replica: int) -> None:
+        """Conversation ``key`` is served by ``replica`` (learnt after the fact, e.g. behind a gateway from the
+        replicas' KV events): its share counts there from now on, and the waiters are re-checked."""
+        live = self._live.get(key)
+        if live is None or live.replica == replica or not 0 <= replica < len(self.capacities):
+            return
+        old = live.replica
+        live.replica = replica
+        if live.in_flight:
+            self._quiet_since.pop(replica, None)
+            if not any(other.in_flight for other in self._live.values() if other.replica == old):
+                self._quiet_since[old] = self._clock()
+        self._pump()
+
     def estimate(self, chars: int, answer_tokens: int) -> int:
         """A turn's footprint before the engine counted it: its prompt's characters and its answer's tokens."""
         return int(chars * self.tokens_per_char) + max(0, answer_tokens)

@@ -13,15 +13,18 @@ With prefix-aware routing the same subscribers also feed an :class:`~cpmemory.ro
 (what each replica caches, from its events); the proxy then tokenizes a prompt *before* routing it
 (:meth:`KVSyncHub.prompt_blocks`, one ``/tokenize`` call, or none with a local tokenizer: ``--tokenizer``), scores
 the replicas by the engine's own block hashes, and registers those hashes for eviction sync without a second call.
-Behind a gateway (``--upstream``) the proxy does not know which replica served a request, so a prompt is registered
-with every replica's sync: its leaf is evicted as soon as any replica drops one of its blocks (conservative: costs
-reuse, never claims a cached prefix that is gone).
+Behind a gateway (``--upstream``) the proxy does not know which replica served a request. With the replicas' KV
+events it finds out after the answer (:meth:`KVSyncHub.attribute_later`): the same events feed an attribution-only
+``EventPrefixView``, the prompt is tokenized once, and the replica that stored its blocks is the one that served it;
+the prompt is registered there, and the proxy's cache-fit admission counts the conversation on that replica. When no
+replica stands out, the prompt is registered with every replica's sync: its leaf is evicted as soon as any replica
+drops one of its blocks (conservative: costs reuse, never claims a cached prefix that is gone).
 """
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -155,6 +158,44 @@ class KVSyncHub:
         except CpMemoryError as error:
             self.failures += 1
             logger.debug("registration of %s failed: %s", request_id, error)
+
+    def attribute_later(self, request_id: str, payload: Mapping[str, Any], tenant: str,
+                        found: Callable[[int | None], None]) -> None:
+        """Behind a gateway: find which replica served a prompt, in the background, and register it there.
+
+        The prompt is tokenized once (the local tokenizer, else the first synced replica's ``/tokenize``); the
+        replica whose KV events stored the most of its leading blocks (one, strictly the most) served it: the
+        prompt is registered with that replica's eviction sync only and ``found(replica)`` is called. When no
+        replica stands out (events not seen, or the prompt is cached on several), the prompt is registered with
+        every replica (conservative, as without a view) and ``found(None)`` is called. No-op without a view."""
+        if self.view is None or not self._replicas or not request_id:
+            return
+        if len(self._pending) >= MAX_PENDING_REGISTRATIONS:  # bounded: under overload, skip (costs reuse only)
+            self.failures += 1
+            return
+        task = asyncio.create_task(self._attribute(request_id, payload, tenant, found))
+        self._pending.add(task)
+        task.add_done_callback(self._pending.discard)
+
+    async def _attribute(self, request_id: str, payload: Mapping[str, Any], tenant: str,
+                         found: Callable[[int | None], None]) -> None:
+        prompt = await self.prompt_blocks(payload)
+        if prompt is None:
+            found(None)
+            return
+        replica = self.locate(prompt)
+        self.register_hashes(replica, request_id, prompt.keys, tenant)
+        found(replica)
+
+    def locate(self, prompt: Any) -> int | None:
+        """The replica whose cache holds strictly the most leading blocks of ``prompt`` (engine hashes), or None
+        (no view, nothing matched, or a tie)."""
+        if self.view is None:
+            return None
+        matched = sorted(((self.view.matched_blocks(index, prompt), index) for index in self._replicas), reverse=True)
+        if not matched or matched[0][0] == 0 or (len(matched) > 1 and matched[1][0] == matched[0][0]):
+            return None
+        return matched[0][1]
 
     def _tokenizer_of(self, state: _Replica) -> Any:
         """The local tokenizer when there is one, else the replica's ``/tokenize``."""

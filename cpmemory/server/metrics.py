@@ -69,6 +69,9 @@ class ProxyMetrics:
             "batches)", ["replica", "counter"], registry=registry)
         self.kv_sync_failures = Gauge("cpmemory_kv_sync_failures", "Prompt registrations that failed",
                                       registry=registry)
+        self.gateway_attributions = Counter(
+            "cpmemory_gateway_attributions", "Behind a gateway: turns by the replica that served them, as its KV "
+            "events told (unknown: no replica stood out)", ["replica"], registry=registry)
         self._hold_metrics(Counter, Gauge, Histogram)
         self.fit_admissions = Counter(
             "cpmemory_fit_admissions", "Turns admitted by cache-fit admission, by reason (live: the conversation "

@@ -21,6 +21,7 @@ import hashlib
 import logging
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
@@ -57,6 +58,8 @@ from cpmemory.session.config import CpMemoryConfig
 from cpmemory.session.turns import BlockDecision, PreparedTurn, turn_counts
 
 logger = logging.getLogger(__name__)
+MAX_SERVED_ON = 100_000
+"""Conversations whose serving replica behind a gateway the proxy remembers (least recently served dropped first)."""
 
 
 class TurnMemory(Protocol):
@@ -98,6 +101,7 @@ class OpenedStream:
     strip_usage: bool
     admission: Admission | None = None
     fit: FitSlot = field(default_factory=lambda: UNGATED)
+    registration: _Registration | None = None  # a prepared turn's prompt, registered for eviction sync once committed
 
     @property
     def decision(self) -> RouteDecision:
@@ -109,14 +113,31 @@ class OpenedStream:
         """Time spent waiting on engines to open the stream."""
         return self.dispatch.engine_seconds
 
+    @property
+    def fit_replica(self) -> int | None:
+        """The replica admission counts the turn on (None behind a gateway: the gateway's index is no replica)."""
+        return None if self.registration is not None and self.registration.upstream else self.decision.index
+
     async def release(self) -> None:
         """Close the stream and stop counting it in flight (idempotent)."""
         try:
             await self.dispatch.release()
         finally:
-            self.fit.end(self.dispatch.decision.index)  # idempotent: relay_stream ends it first, with the usage
+            self.fit.end(self.fit_replica)  # idempotent: relay_stream ends it first, with the usage
             if self.admission is not None:
                 self.admission.done()
+
+
+@dataclass(frozen=True, slots=True)
+class _Registration:
+    """What eviction sync needs of a sent prompt: where it went and what it was."""
+
+    key: str
+    request_id: str
+    payload: Mapping[str, Any]
+    tenant: str
+    hint: RouteHint
+    upstream: bool
 
 
 @dataclass(frozen=True, slots=True)
@@ -191,6 +212,8 @@ class ProxyService:
         self.answer_reserve_tokens = 1024  # answer tokens reserved when a request gives no max_tokens
         self.hold: HoldQueue | None = None  # the hold-and-release queue, when max_in_flight is set (create_app)
         self.fit: CacheFit | None = None  # cache-fit admission, when the replicas' cache sizes are known (create_app)
+        self.gateway_replicas = 0  # behind a gateway: the replicas whose KV events tell where a conversation went
+        self._served_on: OrderedDict[str, int] = OrderedDict()  # conversation key -> the replica that served it
 
     async def route_hint(self, payload: Mapping[str, Any], sticky: bool, remember: bool = True,
                          key: str | None = None) -> RouteHint:
@@ -329,10 +352,10 @@ class ProxyService:
             if isinstance(error, EngineError):
                 self.metrics.requests.labels(replica="none", outcome="engine_error").inc()
             raise
-        slot.end(result.decision.index, *answer_usage(result.response.get("usage")))
+        slot.end(None if self.upstream else result.decision.index, *answer_usage(result.response.get("usage")))
         committed = await self.commit(prepared, response_text(result.response))
-        if committed and self.kv_sync is not None:
-            self._register(result.decision.index, request_id, payload, tenant, hint)
+        if committed:
+            self._register(result.decision.index, _Registration(key, request_id, payload, tenant, hint, self.upstream))
         self._count_engine(result.decision, result.failovers, result.response.get("usage"), hint)
         overhead = time.perf_counter() - started - result.engine_seconds - slot.waited_s  # a wait has its histogram
         info = self.turn_info(turn, prepared, result.decision, result.failovers, result.response.get("usage"),
@@ -356,7 +379,8 @@ class ProxyService:
             slot.end()
             await self.abort(prepared)
             raise
-        return OpenedStream(opened, payload.strip_usage, fit=slot)
+        return OpenedStream(opened, payload.strip_usage, fit=slot,
+                            registration=_Registration(key, request_id, payload.body, tenant, hint, self.upstream))
 
     async def place(self, key: str, payload: Mapping[str, Any], hint: RouteHint, request: ChatCompletionRequest
                     ) -> tuple[FitSlot, RouteHint]:
@@ -367,7 +391,10 @@ class ProxyService:
         healthy = [status.index for status in router.status() if status.healthy]
         if fit is None or not fit.sized or not healthy:
             return UNGATED, hint
-        if self.upstream:  # the gateway picks the replica: one pool, the fleet's cache
+        if self.upstream and self.gateway_replicas:  # the gateway picks; its replica is known after a first turn
+            known = self._served_on.get(key)
+            ranked = [known] if known is not None else fit.by_room(range(self.gateway_replicas))
+        elif self.upstream:  # the gateway picks the replica: one pool, the fleet's cache
             ranked = [0]
         elif hint.sticky and fit.replica_of(key) in healthy:  # a live conversation stays: no routing choice needed
             ranked = healthy
@@ -385,14 +412,32 @@ class ProxyService:
             return slot, hint
         return slot, replace(hint, replica=slot.replica)
 
-    def _register(self, replica: int, request_id: str, payload: Mapping[str, Any], tenant: str,
-                  hint: RouteHint) -> None:
-        """Register a committed prompt for eviction sync: its known hashes, else a background ``/tokenize``."""
-        target = None if self.upstream else replica
-        if hint.prompt is not None and self.kv_sync.view is not None:
-            self.kv_sync.register_hashes(target, request_id, hint.prompt.keys, tenant)
+    def _register(self, replica: int, sent: _Registration) -> None:
+        """Register a committed prompt for eviction sync: its known hashes, else a background ``/tokenize``; behind
+        a gateway whose replicas' events the proxy follows, find the replica that served it first (and count the
+        conversation there for cache-fit admission)."""
+        hub = self.kv_sync
+        if hub is None:
+            return
+        if sent.upstream and self.gateway_replicas:
+            hub.attribute_later(sent.request_id, sent.payload, sent.tenant,
+                                lambda served: self._served(sent.key, served))
+        elif sent.hint.prompt is not None and hub.view is not None and not sent.upstream:
+            hub.register_hashes(replica, sent.request_id, sent.hint.prompt.keys, sent.tenant)
         else:
-            self.kv_sync.register_later(target, request_id, payload, tenant)
+            hub.register_later(None if sent.upstream else replica, sent.request_id, sent.payload, sent.tenant)
+
+    def _served(self, key: str, replica: int | None) -> None:
+        """Behind a gateway: conversation ``key``'s last turn was served by ``replica`` (None: not found out)."""
+        self.metrics.gateway_attributions.labels(replica="unknown" if replica is None else str(replica)).inc()
+        if replica is None:
+            return
+        self._served_on[key] = replica
+        self._served_on.move_to_end(key)
+        while len(self._served_on) > MAX_SERVED_ON:
+            self._served_on.popitem(last=False)
+        if self.fit is not None:
+            self.fit.move(key, replica)
 
     async def relay_stream(
         self, opened: OpenedStream, prepared: PreparedTurn | None, overhead_s: float
@@ -413,20 +458,21 @@ class ProxyService:
             yield b'data: {"error": {"type": "engine_error", "code": "stream_broken", "message": "' + \
                 type(error).__name__.encode() + b'"}}\n\n'
         finally:
-            opened.fit.end(opened.decision.index, *answer_usage(collector.usage))
+            opened.fit.end(opened.fit_replica, *answer_usage(collector.usage))
             await opened.release()
-            await self._finish_stream(opened.dispatch, prepared, collector, overhead_s)
+            await self._finish_stream(opened, prepared, collector, overhead_s)
 
     async def _finish_stream(
-        self, opened: StreamDispatch, prepared: PreparedTurn | None, collector: SseCollector, overhead_s: float
+        self, opened: OpenedStream, prepared: PreparedTurn | None, collector: SseCollector, overhead_s: float
     ) -> None:
         started = time.perf_counter()
         if prepared is not None:
             if collector.complete:
-                await self.commit(prepared, collector.answer)
+                if await self.commit(prepared, collector.answer) and opened.registration is not None:
+                    self._register(opened.decision.index, opened.registration)
             else:
                 await self.abort(prepared)
-        self._count_engine(opened.decision, opened.failovers, collector.usage)
+        self._count_engine(opened.decision, opened.dispatch.failovers, collector.usage)
         self.metrics.overhead.observe(overhead_s + time.perf_counter() - started)
 
     async def commit(self, prepared: PreparedTurn, answer: str) -> bool:

@@ -76,6 +76,11 @@ def proxy_process(engines: list[str], *extra: str, port: int | None = None) -> P
     return Process(args + list(extra), port, "/healthz")
 
 
+def gateway_process(replicas: list[str], port: int | None = None) -> Process:
+    port = port or free_port()
+    return Process([sys.executable, str(HERE / "gateway_server.py"), str(port), *replicas], port, "/health")
+
+
 class Launcher:
     """Makes processes and stops every one of them at teardown."""
 
@@ -89,6 +94,10 @@ class Launcher:
     @staticmethod
     def free_port() -> int:
         return free_port()
+
+    def gateway(self, replicas: list[str]) -> Process:
+        self.made.append(gateway_process(replicas))
+        return self.made[-1]
 
     def proxy(self, engines: list[str], *extra: str) -> Process:
         self.made.append(proxy_process(engines, *extra))

@@ -225,3 +225,28 @@ def test_a_turn_without_history_never_waits_and_is_counted_on_the_routers_choice
         assert fit.live_tokens(0) == 1800 and fit.waiting == 0
 
     asyncio.run(main())
+
+
+def test_a_conversation_moved_to_the_replica_that_served_it_counts_there_and_may_then_wait() -> None:
+    """Behind a gateway the serving replica is learnt after the turn (``move``): the conversation's share moves
+    with it, and once that replica's older conversations fill it the moved one's next turn waits."""
+    async def main() -> None:
+        fit = CacheFit([1000, 1000], fill=1.0, max_wait_s=5.0)
+        older = await fit.admit("older", chars(700), 0, [1])
+        older.end(None, 700, 0)
+        first = await fit.admit("b", chars(100), 0, fit.by_room([0, 1]), history=False)
+        assert first.replica == 0  # the roomiest replica, provisionally
+        first.end(None, 500, 0)  # the gateway's replica is not the admission's (None keeps the pool)
+        assert fit.live_tokens(0) == 500 and fit.replica_of("b") == 0
+        fit.move("b", 1)  # its KV events said replica 1 served it
+        assert fit.replica_of("b") == 1 and fit.live_tokens(0) == 0 and fit.live_tokens(1) == 1200
+        assert fit.by_room([0, 1]) == [0, 1]
+        waiting = asyncio.ensure_future(fit.admit("b", chars(500), 0, [1]))
+        await asyncio.sleep(0.01)
+        assert not waiting.done()  # 700 + 500 > 1000: the older conversation keeps replica 1
+        fit.move("nobody", 0)  # an unknown conversation: nothing happens
+        fit.move("older", 0)  # the older one turns out to live on replica 0: b is resident on 1 now
+        slot = await asyncio.wait_for(waiting, 1.0)
+        assert (slot.replica, slot.reason) == (1, "resumed")
+
+    asyncio.run(main())
