@@ -33,6 +33,8 @@ from cpmemory.errors import CpMemoryError, InvalidInputError
 logger = logging.getLogger(__name__)
 MAX_PENDING_REGISTRATIONS = 1024
 TOKENIZE_TIMEOUT_S = 2.0
+ATTRIBUTE_RETRY_S = (0.05, 0.2)
+"""Behind a gateway: how long to wait, and again, for KV events that name the replica of an answered prompt."""
 
 
 @dataclass(slots=True)
@@ -184,6 +186,11 @@ class KVSyncHub:
             found(None)
             return
         replica = self.locate(prompt)
+        for delay in ATTRIBUTE_RETRY_S:  # the replica's events may trail its answer by a few milliseconds
+            if replica is not None:
+                break
+            await asyncio.sleep(delay)
+            replica = self.locate(prompt)
         self.register_hashes(replica, request_id, prompt.keys, tenant)
         found(replica)
 

@@ -62,9 +62,10 @@ def _reset_caches() -> None:
         httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 1}, timeout=60)
 
 
-async def _replay(config: ServerConfig) -> tuple[int, int, list[dict]]:
+async def _replay(config: ServerConfig) -> tuple[int, int, list[dict], dict[str, float]]:
     """Send the requests in waves of ``WAVE`` at once (a wave's requests are in flight together, so a load-aware
-    router has a reason to use both replicas); return cached and prompt tokens and every turn's info."""
+    router has a reason to use both replicas); return cached and prompt tokens, every turn's info and, behind a
+    gateway, how many turns the proxy found each replica served (once every turn is accounted for)."""
     recording = RecordingTransport(HttpxChatTransport())
     app = create_app(config, transport=recording)
     requests = _requests()
@@ -82,8 +83,20 @@ async def _replay(config: ServerConfig) -> tuple[int, int, list[dict]]:
 
         for start in range(0, len(requests), WAVE):
             infos += await asyncio.gather(*(one(*request) for request in requests[start:start + WAVE]))
+        attributed: dict[str, float] = {}
+        deadline = asyncio.get_running_loop().time() + 30
+        while config.attributes_gateway and sum(attributed.values()) < len(infos) \
+                and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.2)
+            attributed = _attributions((await client.get("/metrics")).text)
     await recording.aclose()
-    return sum(i["cached_tokens"] for i in infos), sum(i["prompt_tokens"] for i in infos), infos
+    return sum(i["cached_tokens"] for i in infos), sum(i["prompt_tokens"] for i in infos), infos, attributed
+
+
+def _attributions(text: str) -> dict[str, float]:
+    """The proxy's ``cpmemory_gateway_attributions_total`` by replica label."""
+    return {line.split('replica="', 1)[1].split('"', 1)[0]: float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines() if line.startswith("cpmemory_gateway_attributions_total{")}
 
 
 def _router_decisions() -> dict[str, float]:
@@ -108,7 +121,7 @@ def _served(url: str) -> float:
 
 async def test_online_prompts_keep_the_single_server_cache_hits_through_vllm_router_and_the_built_in_router() -> None:
     _reset_caches()
-    single_cached, single_prompt, _ = await _replay(ServerConfig(engines=[REPLICAS[0]], engine_timeout_s=300))
+    single_cached, single_prompt, _, _ = await _replay(ServerConfig(engines=[REPLICAS[0]], engine_timeout_s=300))
     assert single_cached > 0.3 * single_prompt, (single_cached, single_prompt)
 
     # 1. through vllm-router (kv_aware): the gateway picks the replica; the proxy follows both replicas' evictions.
@@ -118,7 +131,7 @@ async def test_online_prompts_keep_the_single_server_cache_hits_through_vllm_rou
     before, decided = [_served(url) for url in REPLICAS], _router_decisions()
     gateway = ServerConfig(upstream=ROUTER, engines=REPLICAS, kv_events=KV_ENDPOINTS, engine_timeout_s=300,
                            cache_salt=False)
-    routed_cached, routed_prompt, infos = await _replay(gateway)
+    routed_cached, routed_prompt, infos, attributed = await _replay(gateway)
     served = [_served(url) - earlier for url, earlier in zip(REPLICAS, before)]
     decisions = {k: v - decided.get(k, 0.0) for k, v in _router_decisions().items()}
     if os.environ.get("CPM_ROUTER_METRICS"):  # the router really routed by the KV events (vLLM --enable-scale-out)
@@ -130,13 +143,51 @@ async def test_online_prompts_keep_the_single_server_cache_hits_through_vllm_rou
     assert abs(routed_prompt - single_prompt) <= 0.01 * single_prompt
     assert routed_cached >= 0.9 * single_cached, (routed_cached, single_cached)
     assert [i["turn"] for i in infos[-3:]] == [2, 2, 2]
+    # every turn accounted for; a prompt whose blocks both replicas hold (the same documents retrieved on both)
+    # stays unknown, and no replica is credited with more turns than it served
+    print(f"attributed by the proxy: {attributed}")
+    assert sum(attributed.values()) == len(infos), attributed
+    assert all(attributed.get(str(index), 0) <= count for index, count in enumerate(served)), (attributed, served)
 
     # 2. no gateway: cpmemory's own router scores the replicas from their KV events (vLLM's block hashes, the tenant's
     # cache salt included, reproduced offline)
     _reset_caches()
     built_in = ServerConfig(engines=REPLICAS, kv_events=KV_ENDPOINTS, engine_timeout_s=300)
-    own_cached, _, infos = await _replay(built_in)
+    own_cached, _, infos, _ = await _replay(built_in)
     reasons = [info["route_reason"] for info in infos]
     print(f"built-in router: {own_cached} cached; reasons { {r: reasons.count(r) for r in set(reasons)} }")
     assert own_cached >= 0.9 * single_cached, (own_cached, single_cached)
     assert reasons.count("prefix") >= len(infos) // 2 and {info["replica"] for info in infos} == {0, 1}
+
+
+async def test_behind_vllm_router_the_kv_events_tell_the_proxy_which_replica_served_each_turn() -> None:
+    """Conversations of their own documents (no prompt cached on both replicas), one turn at a time: the proxy's
+    count of turns per replica, found from the KV events after each answer, equals what vLLM itself counted."""
+    _reset_caches()
+    before = [_served(url) for url in REPLICAS]
+    config = ServerConfig(upstream=ROUTER, engines=REPLICAS, kv_events=KV_ENDPOINTS, engine_timeout_s=300,
+                          cache_salt=False, upstream_session=True)
+    app = create_app(config)
+    turns = 0
+    async with app.router.lifespan_context(app), httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=app), base_url="http://proxy", timeout=300) as client:
+        await asyncio.sleep(1.0)  # a ZMQ subscriber misses what is published before it has joined (a few ms)
+        for turn in (1, 2):
+            for number in range(6):
+                blocks = [{"id": f"own-{number}-{turn}", "text": f"Ledger {number}.{turn}: entry {number * 7 + turn}, "
+                           f"paid to the keeper of lighthouse {number}, for oil and wicks in week {turn}. " * 8}]
+                response = await client.post("/v1/chat/completions", json={
+                    "model": "tiny", "max_tokens": 4, "temperature": 0,
+                    "messages": [{"role": "user", "content": f"What was paid in week {turn}?"}],
+                    "cpmemory": {"conversation_id": f"own-{number}", "blocks": blocks}})
+                assert response.status_code == 200, response.text
+                turns += 1
+        deadline = asyncio.get_running_loop().time() + 30
+        attributed: dict[str, float] = {}
+        while sum(attributed.values()) < turns and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.2)
+            attributed = _attributions((await client.get("/metrics")).text)
+    served = [_served(url) - earlier for url, earlier in zip(REPLICAS, before)]
+    print(f"served per replica {served}; attributed by the proxy {attributed}")
+    assert sum(served) == turns
+    assert attributed == {str(index): count for index, count in enumerate(served) if count}, (attributed, served)
