@@ -17,7 +17,10 @@ what arrived so far; the prompts run through a fresh ``PrefixCacheSimulator`` (t
 * ``cpmemory``: the product. W=1: ``CpMemory.prepare`` (no ``prompt_order``) then ``commit``, exactly as the
   integrations call it; W>1: ``CpMemory.release_order`` (the proxy's hold-and-release order, told the cache size) first.
 
-``gain_share`` = (hit rate - online ``original``) / (offline ``cpmemory`` - ``original``), same run.
+``gain_share`` = (hit rate - online ``original``) / (offline ``cpmemory`` - ``original``), same run;
+``gain_share_second_half`` the same over the requests of the trace's second half (by arrival position, each
+strategy's hit and prompt tokens of those requests wherever it ran them; the cache is warm from the first half):
+a share that rises there was lost to warm-up, one that does not is structural.
 
 With ``fleet`` (``--replicas N [--router prefix|affinity]``), each strategy runs on N simulated caches of
 ``capacity / N`` behind the product's router instead of one cache (:mod:`cpmemory.bench.replicas`); every strategy
@@ -270,6 +273,9 @@ class OnlineReport:
     offline_cpmemory: float
     offline_original: float
     gain_shares: dict[str, float] = field(default_factory=dict)
+    hit_rates_second_half: dict[str, float] = field(default_factory=dict)  # strategy -> hit rate, second half
+    gain_shares_second_half: dict[str, float] = field(default_factory=dict)
+    offline_cpmemory_second_half: float = 0.0
     workers: int | None = None
     fleet: Any = None  # FleetSettings when the strategies ran on several replicas
     fleets: dict[str, Any] = field(default_factory=dict)  # strategy -> FleetReport
@@ -280,6 +286,8 @@ class OnlineReport:
         for name, result in self.results.items():
             summary = result.summary()
             summary["gain_share"] = round(self.gain_shares.get(name, 0.0), 4)
+            summary["hit_rate_second_half"] = round(self.hit_rates_second_half.get(name, 0.0), 6)
+            summary["gain_share_second_half"] = round(self.gain_shares_second_half.get(name, 0.0), 4)
             if name in self.fleets:
                 replicas = self.fleets[name].to_json()
                 summary["replica_load_max_over_mean"] = replicas["load_max_over_mean"]
@@ -287,7 +295,9 @@ class OnlineReport:
             out[name] = summary
         extra = {} if self.fleet is None else {"replicas": self.fleet.replicas, "router": self.fleet.router}
         return {"window": self.window, "workers": self.workers, **extra,
-                "offline_cpmemory_hit_rate": round(self.offline_cpmemory, 6), "strategies": out}
+                "offline_cpmemory_hit_rate": round(self.offline_cpmemory, 6),
+                "offline_cpmemory_hit_rate_second_half": round(self.offline_cpmemory_second_half, 6),
+                "strategies": out}
 
 
 def run_online_strategy(name: str, trace: Trace, prepared: Sequence[PreparedRequest], system_prompt: str,
@@ -319,7 +329,7 @@ def run_online_strategy(name: str, trace: Trace, prepared: Sequence[PreparedRequ
             tokens = chat_tokens(built["messages"])
             cached = _serve(simulator, tokens, trace, index)
             windows.busy(len(tokens) - cached)
-            result.record(built, len(tokens), cached)
+            result.record(built, len(tokens), cached, index)
             if progress is not None:
                 progress(1)
     return result
@@ -419,4 +429,16 @@ def _run_online(trace: Trace, prepared: Sequence[PreparedRequest], system_prompt
     report = OnlineReport(window, results, offline_hit, original, workers=None if workers is None else workers[1],
                           fleet=fleet, fleets=fleets)
     report.gain_shares = {name: gain_share(r.hit_rate, original, offline_hit) for name, r in results.items()}
+    second = second_half(len(trace.requests))
+    report.offline_cpmemory_second_half = offline["cpmemory"].hit_rate_of(second)
+    original_second = (results["original"] if "original" in results else offline["original"]).hit_rate_of(second)
+    report.hit_rates_second_half = {name: r.hit_rate_of(second) for name, r in results.items()}
+    report.gain_shares_second_half = {
+        name: gain_share(hit, original_second, report.offline_cpmemory_second_half)
+        for name, hit in report.hit_rates_second_half.items()}
     return report
+
+
+def second_half(requests: int) -> range:
+    """Trace positions of the second half of ``requests`` (the later ``requests - requests // 2``)."""
+    return range(requests // 2, requests)

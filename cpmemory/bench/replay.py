@@ -311,7 +311,7 @@ def run_strategy(name: str, plan: StrategyPlan, trace: Trace, prepared: Sequence
         result.violations.extend(f"request {index}: {v}" for v in report.violations)
         tokens = chat_tokens(built["messages"])
         cached = simulator.run(tokens)
-        result.record(built, len(tokens), cached)
+        result.record(built, len(tokens), cached, index)
         if result.prompts is not None:
             result.prompts.append(built["messages"])
         if progress is not None:

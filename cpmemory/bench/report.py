@@ -69,17 +69,20 @@ def online_table(report: ReplayReport) -> Table:
     where = f"{fleet.replicas} replicas ({fleet.router} router) of" if fleet is not None else "cache"
     table = Table(title=f"{report.workload} online, window {online.window}: offline cpmemory "
                         f"{_pct(online.offline_cpmemory)}, {where} {report.capacity_tokens:,} tokens")
-    headers = ["online strategy", "hit rate", "prefilled", "gain share", "dedup saved", "overhead p50 ms", "p99 ms",
-               "no-loss violations"] + (["load max/mean"] if fleet is not None else [])
+    headers = ["online strategy", "hit rate", "prefilled", "gain share", "2nd half: hit / share", "dedup saved",
+               "overhead p50 ms", "p99 ms", "no-loss violations"] + (["load max/mean"] if fleet is not None else [])
     for header in headers:
         table.add_column(header, justify="left" if header == "online strategy" else "right")
     summaries = online.to_json()["strategies"]
     for name, s in sorted(summaries.items(), key=lambda item: -item[1]["hit_rate"]):
         extra = [f"{s['replica_load_max_over_mean']:.3f}"] if fleet is not None else []
         table.add_row(name, _pct(s["hit_rate"]), f"{s['prefill_tokens']:,}", f"{s['gain_share']:.2f}",
+                      f"{_pct(s['hit_rate_second_half'])} / {s['gain_share_second_half']:.2f}",
                       f"{s['dedup_tokens_saved']:,}", f"{s['overhead_p50_ms']:.3f}", f"{s['overhead_p99_ms']:.3f}",
                       str(s["no_loss_violations"]), *extra, style="bold" if name == "cpmemory" else None)
-    table.caption = "gain share = (hit - online original) / (offline cpmemory - original), same run"
+    table.caption = ("gain share = (hit - online original) / (offline cpmemory - original), same run; 2nd half: "
+                     "the same over the trace's later half of requests (offline cpmemory "
+                     f"{_pct(online.offline_cpmemory_second_half)} there)")
     return table
 
 

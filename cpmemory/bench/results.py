@@ -1,6 +1,7 @@
 """What a replay measured: the per-strategy figures and the report (``--json``), apart from the replay logic."""
 from __future__ import annotations
 
+from collections.abc import Container
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -11,7 +12,8 @@ __all__ = ["ReplayReport", "StrategyResult"]
 
 @dataclass(slots=True)
 class StrategyResult:
-    """Figures of one strategy (per-request lists are in execution order)."""
+    """Figures of one strategy (per-request lists are in execution order; ``request_indices`` names each one's
+    request, its position in the trace)."""
 
     name: str
     prompt_tokens: int = 0
@@ -22,18 +24,39 @@ class StrategyResult:
     violations: list[str] = field(default_factory=list)
     cached_per_request: list[int] = field(default_factory=list)
     prompt_per_request: list[int] = field(default_factory=list)
+    request_indices: list[int] = field(default_factory=list)
     prompts: list[list[dict[str, str]]] | None = None
     real: dict[str, Any] | None = None
     planning_seconds: float = 0.0
 
-    def record(self, built: dict[str, Any], prompt_tokens: int, cached: int) -> None:
-        """Add one served request: its prompt size, the cached part, and what its build saved and annotated."""
+    def record(self, built: dict[str, Any], prompt_tokens: int, cached: int, index: int | None = None) -> None:
+        """Add one served request: its prompt size, the cached part, and what its build saved and annotated
+        (``index``: its position in the trace, for :meth:`hit_rate_of`)."""
         self.prompt_tokens += prompt_tokens
         self.cached_tokens += cached
         self.dedup_tokens_saved += built["dedup_saved"]
         self.annotation_tokens += built["annotation"]
         self.cached_per_request.append(cached)
         self.prompt_per_request.append(prompt_tokens)
+        if index is not None:
+            self.request_indices.append(index)
+
+    def hit_rate_of(self, requests: Container[int]) -> float:
+        """Cached tokens / prompt tokens over the requests whose trace position is in ``requests``, wherever they
+        ran in the execution order (0.0 when they hold no prompt tokens).
+
+        Raises:
+            ValueError: some served request was recorded without its index.
+        """
+        if len(self.request_indices) != len(self.cached_per_request):
+            raise ValueError(f"{self.name}: {len(self.cached_per_request)} requests served, "
+                             f"{len(self.request_indices)} recorded with their index")
+        cached = prompt = 0
+        for index, hit, size in zip(self.request_indices, self.cached_per_request, self.prompt_per_request):
+            if index in requests:
+                cached += hit
+                prompt += size
+        return cached / prompt if prompt else 0.0
 
     @property
     def hit_rate(self) -> float:

@@ -8,13 +8,15 @@ import pytest
 from typer.testing import CliRunner
 
 from cpmemory.bench.loaders import load_synthetic
-from cpmemory.bench.online import ONLINE_STRATEGIES, Windows, gain_share
+from cpmemory.bench.online import ONLINE_STRATEGIES, Windows, gain_share, second_half
 from cpmemory.bench.replay import ReplaySettings, run_replay
+from cpmemory.bench.results import StrategyResult
 from cpmemory.bench.trace import Trace, TraceBlock, TraceRequest, write_trace
 from cpmemory.cli import app
 from cpmemory.errors import InvalidInputError
 
-ONLINE_KEYS = {"hit_rate", "prefill_tokens", "gain_share", "overhead_p50_ms", "overhead_p99_ms", "no_loss_violations"}
+ONLINE_KEYS = {"hit_rate", "prefill_tokens", "gain_share", "hit_rate_second_half", "gain_share_second_half",
+               "overhead_p50_ms", "overhead_p99_ms", "no_loss_violations"}
 
 
 @pytest.fixture(scope="module")
@@ -97,3 +99,40 @@ def test_the_product_is_told_the_cache_size_and_plans_a_window_that_outgrows_it_
         assert ours["hit_rate"] >= floor
         if window > 1:
             assert all(ours["hit_rate"] > other["hit_rate"] + 0.2 for other in online.values())
+
+
+def test_hit_rate_of_counts_requests_by_trace_position_wherever_they_ran():
+    result = StrategyResult("s")
+    for index, cached, prompt in ((2, 90, 100), (0, 0, 100), (3, 10, 300), (1, 50, 100)):  # execution order
+        result.record({"dedup_saved": 0, "annotation": 0}, prompt, cached, index)
+    assert result.hit_rate_of(second_half(4)) == pytest.approx((90 + 10) / (100 + 300))  # requests 2 and 3
+    assert result.hit_rate_of(range(2)) == pytest.approx(50 / 200)
+    assert result.hit_rate_of(range(0)) == 0.0
+    assert list(second_half(5)) == [2, 3, 4]
+    result.record({"dedup_saved": 0, "annotation": 0}, 10, 0)  # served without its index
+    with pytest.raises(ValueError, match="index"):
+        result.hit_rate_of(second_half(5))
+
+
+def test_the_second_half_of_a_repeated_trace_finds_every_prompt_cached(trace):
+    # the second half repeats the first; a cache that holds every prompt serves each repeat whole (the simulator
+    # leaves the prompt's last token to compute): the second-half hit rate is known by hand, the whole trace's is lower
+    first = trace.requests[:20]
+    repeated = Trace("repeated", first + tuple(dataclasses.replace(r, session=f"{r.session}-again") for r in first),
+                     multi_turn=False)
+    report = run_replay(repeated, ReplaySettings(capacity="100000%", strategies=("original",)), online_window=1)
+    online = report.to_json()["online"]
+    original = report.online.results["original"]
+    assert original.request_indices == list(range(40))  # first come first served
+    later = original.prompt_per_request[20:]
+    expected = 1.0 - 20 / sum(later)
+    figures = online["strategies"]
+    assert figures["original"]["hit_rate_second_half"] == pytest.approx(expected, abs=1e-6)
+    assert figures["original"]["hit_rate"] < expected - 0.2
+    for name in ONLINE_STRATEGIES:
+        assert figures[name]["hit_rate_second_half"] > figures[name]["hit_rate"], name
+    # the share over the second half is taken against the offline planner's and original's second halves
+    offline_second = report.results["cpmemory"].hit_rate_of(range(20, 40))
+    assert online["offline_cpmemory_hit_rate_second_half"] == pytest.approx(offline_second, abs=1e-6)
+    assert report.online.gain_shares_second_half["cpmemory"] == pytest.approx(gain_share(
+        report.online.hit_rates_second_half["cpmemory"], expected, offline_second))
