@@ -25,13 +25,12 @@ def _wait_for(proxy_url: str, counter: str, at_least: float, timeout_s: float = 
         time.sleep(0.2)
 
 
-def _turn(proxy_url: str, conversation: str, seed: int) -> dict:
+def _turn(proxy_url: str, conversation: str, seed: int, *, stream: bool = False) -> None:
     blocks = [{"id": f"{conversation}-{i}", "text": f"block {seed}-{i} " + "x" * 180} for i in range(2)]
-    body = {"model": "tiny", "messages": [{"role": "user", "content": "q"}],
+    body = {"model": "tiny", "stream": stream, "messages": [{"role": "user", "content": "q"}],
             "cpmemory": {"conversation_id": conversation, "blocks": blocks}}
     response = httpx.post(proxy_url + "/v1/chat/completions", json=body, timeout=30)
     assert response.status_code == 200, response.text
-    return response.json()["cpmemory"]
 
 
 def test_engine_evictions_arrive_as_kv_events_and_evict_index_leaves(processes) -> None:
@@ -42,6 +41,8 @@ def test_engine_evictions_arrive_as_kv_events_and_evict_index_leaves(processes) 
     gauges = _wait_for(proxy.url, "registered", 1)
     assert gauges.get("registered", 0) >= 1, gauges
     assert gauges.get("evicted_leaves", 0) == 0
+    _turn(proxy.url, "streamed", 9, stream=True)  # a streamed turn is registered as well, once its answer ended
+    assert _wait_for(proxy.url, "registered", 2).get("registered", 0) >= 2
     for number in range(1, 5):
         _turn(proxy.url, f"other-{number}", number)
     gauges = _wait_for(proxy.url, "evicted_leaves", 1)
