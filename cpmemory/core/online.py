@@ -37,6 +37,7 @@ Not thread-safe: the facade serialises access (one orderer per tenant, behind th
 from __future__ import annotations
 
 import contextlib
+import heapq
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Hashable, Iterator, Sequence
 
@@ -45,6 +46,8 @@ from cpmemory.errors import InvalidInputError
 RECENCY_SCALE = 50.0
 MATCH_BUDGET = 64
 POSTING_LENGTH = 16
+TAIL_SMOOTHING = 0.1
+"""Weight of the newest prompt in the running mean of the prompts' own tails (:meth:`OnlineOrderer.note_tail`)."""
 WINDOW_RATCHET_STEPS = 0
 """Local-search ratchet rounds of the batch plan of a window that outgrows the cache (``plan_window``): 4 (the
 offline default) measured 0.009 more gain share on synthetic at W=32 for about 4x the planning time."""
@@ -78,6 +81,8 @@ class OnlineOrderer:
         self._first_seen: dict[Hashable, int] = {}
         self._postings: dict[Hashable, list[int]] = {}  # block -> ordinals of the last requests that retrieved it
         self._paths: OrderedDict[Hashable, _TrieNode] = OrderedDict()  # request id -> last node of its order
+        self._sizes: dict[Hashable, float] = {}  # block -> its size, as last given (the cache model's weights)
+        self._tail: float | None = None  # running mean of what a prompt adds besides its blocks (note_tail)
 
     def __len__(self) -> int:
         """Number of recorded requests."""
@@ -196,7 +201,8 @@ class OnlineOrderer:
         """Order a window of waiting requests: the order they run in, and each one's block order.
 
         The window's requests have arrived, so they are counted in the retrieval frequencies and postings at once
-        (mutates those only; the trie is left as it was). Then one of two plans, by what the engine's cache holds:
+        (mutates those and the block sizes the cache model weighs; the trie is left as it was). Then one of two
+        regimes, by what the engine's cache holds:
 
         * **the window fits the cache** (``capacity`` unknown, or the window's block sizes sum to at most
           ``capacity``): what was sent before is still largely cached, so the orders follow it. The requests run in
@@ -205,27 +211,47 @@ class OnlineOrderer:
           blocks, so they can reuse its prefix. (Running the request with the most cached first, LPM on the trie,
           measured no better at W=32 on MultiHop-RAG and 1 point worse on synthetic at 20%; putting the blocks
           later waiting requests hold first measured 2.8 points worse on LoCoMo at W=32.)
-        * **the window outgrows the cache**: running it evicts most of what was cached before it (and, in arrival
-          order, its own early prefixes before its later requests reach them), so the window is planned as a batch
-          (:func:`cpmemory.core.planner.plan_batch`, block orders and a depth-first schedule) and its requests
-          share prefixes among themselves. Measured at W=32, 20%: synthetic 0.547 -> 0.642 gain share, where a
-          window is about twice the cache; the batch plan of a window that fits costs the trunks later windows
-          reuse (MultiHop-RAG 0.553 -> 0.484 when planned from 0.7 of the cache on), see docs/bench.md.
+        * **the window outgrows the cache**: two candidate plans, the online orders in arrival order (as above) and
+          the batch plan (:func:`cpmemory.core.planner.plan_batch` over the window alone, block orders and a
+          depth-first schedule, its requests sharing prefixes among themselves but blind to what is cached), and
+          the one whose requests find more tokens cached in a model of the engine's LRU cache is kept
+          (:meth:`cached_estimate`; a tie keeps the online orders, which also build the trunks later windows
+          reuse). The model starts from the trie's most recently used nodes up to ``capacity`` and charges each
+          prompt its own tail besides its blocks (:meth:`note_tail`, the question and template), which a window
+          in arrival order evicts its own early prefixes with. Measured at 20% (``scripts/window_sweep.py``,
+          gain share; before: the batch plan for every such window): MultiHop-RAG W=48 0.473 -> 0.526, W=64
+          0.497 -> 0.525 (above online ``popularity`` now: 42.45% vs 41.38%, 42.41% vs 41.90% hit), W=96
+          0.553 -> 0.546, W=128 0.637 (same); LoCoMo W=96 0.657 -> 0.697, W=128 0.764 -> 0.768; synthetic the
+          same (its windows take the batch plan). Without the tail the model holds about 1.5 x the MultiHop-RAG
+          prompts the cache does and keeps the online orders where the batch plan wins (W=128 0.599).
 
         Args:
             capacity: what the engine's prefix cache holds, in the unit of ``sizes`` (None: unknown, the first
                 plan).
 
-        O(W * (match + extension)) when the window fits; else ``plan_batch`` over W requests (no local-search
-        ratchet: ``WINDOW_RATCHET_STEPS``), about 15-40 ms for 32 requests of 15 blocks.
+        O(W * (match + extension)) when the window fits; else that plus ``plan_batch`` over W requests (no
+        local-search ratchet: ``WINDOW_RATCHET_STEPS``), about 15-40 ms for 32 requests of 15 blocks, and the cache
+        model twice (``O(W * k)`` plus the cached nodes, ``O(n log n)`` for ``n`` nodes that fit ``capacity``).
         """
         if len(contexts) != len(sizes):
             raise InvalidInputError("plan_window needs one size list per context")
         if capacity is not None and capacity < 0:
             raise InvalidInputError(f"capacity must be >= 0, got {capacity!r}")
         ordinals = [self.observe(keys) for keys in contexts]
+        for keys, sized in zip(contexts, sizes):
+            self._sizes.update(zip(keys, sized))
         if capacity is not None and sum(sum(sized) for sized in sizes) > capacity:
-            return _batch_plan(contexts, sizes)
+            batch = _batch_plan(contexts, sizes)
+            online = self._online_plan(contexts, sizes, ordinals)
+            tail = self._tail or 0.0
+            if self.cached_estimate(*online, capacity, tail) >= self.cached_estimate(*batch, capacity, tail):
+                return online
+            return batch
+        return self._online_plan(contexts, sizes, ordinals)
+
+    def _online_plan(
+        self, contexts: Sequence[Sequence[Hashable]], sizes: Sequence[Sequence[float]], ordinals: Sequence[int]
+    ) -> tuple[list[int], list[list[Hashable]]]:
         orders: list[list[Hashable]] = [list(keys) for keys in contexts]
         with self.tentatively() as record:
             for position, keys in enumerate(contexts):
@@ -234,6 +260,87 @@ class OnlineOrderer:
                 orders[position] = self.order(keys, sizes[position], ordinals[position])
                 record(orders[position])
         return list(range(len(contexts))), orders
+
+    def cached_estimate(self, schedule: Sequence[int], orders: Sequence[Sequence[Hashable]], capacity: float,
+                        tail: float = 0.0) -> float:
+        """Block tokens the window's requests would find cached, run in ``schedule`` with ``orders``, in a model of
+        the engine's LRU prefix cache. Pure.
+
+        The model starts from the trie's most recently used nodes up to ``capacity`` (what an LRU cache of that size
+        still holds of the orders sent), then runs the window: each request finds the prefix of its order the model
+        holds, then its path is inserted / touched and the least recently used nodes go until it fits again.
+        """
+        sizes = self._sizes
+        fallback = (sum(sizes.values()) / len(sizes)) if sizes else 1.0
+        children: dict[tuple[int, Hashable], int] = {}
+        last: dict[int, tuple[float, int]] = {}  # model node -> (last use, depth)
+        size_of: dict[int, float] = {}
+        parent_of: dict[int, tuple[int, Hashable]] = {}
+        total = 0.0
+        heap: list[tuple[int, int, int, _TrieNode, int]] = []
+        counter = 0
+        for child in self._root.children.values():
+            heap.append((-child.last, 1, counter, child, 0))
+            counter += 1
+        heapq.heapify(heap)
+        next_id = 1
+        while heap:
+            negative, depth, _, node, parent = heapq.heappop(heap)
+            size = sizes.get(node.key, fallback)
+            if tail and node.count > sum(child.count for child in node.children.values()):
+                size += tail  # a request ended here: its own tail (question, template) is cached after it
+            if total + size > capacity:
+                break
+            total += size
+            ident = next_id
+            next_id += 1
+            children[(parent, node.key)] = ident
+            parent_of[ident] = (parent, node.key)
+            last[ident] = (-negative, -depth)
+            size_of[ident] = size
+            for grandchild in node.children.values():
+                heapq.heappush(heap, (-grandchild.last, depth + 1, counter, grandchild, ident))
+                counter += 1
+        lru = [(stamp, ident) for ident, stamp in last.items()]
+        heapq.heapify(lru)
+        clock = float(self._clock)
+        found = 0.0
+        for position in schedule:
+            clock += 1.0
+            parent, hit = 0, True
+            for depth, key in enumerate(orders[position], 1):
+                known = children.get((parent, key))
+                if known is not None:
+                    ident = known
+                    if hit:
+                        found += size_of[ident]
+                else:
+                    hit = False
+                    ident = next_id
+                    next_id += 1
+                    children[(parent, key)] = ident
+                    parent_of[ident] = (parent, key)
+                    size_of[ident] = sizes.get(key, fallback)
+                    total += size_of[ident]
+                last[ident] = (clock, -depth)
+                heapq.heappush(lru, (last[ident], ident))
+                parent = ident
+            if tail:
+                ident = next_id
+                next_id += 1
+                parent_of[ident] = (parent, None)  # not in children: nothing else reaches it
+                size_of[ident] = tail
+                total += tail
+                last[ident] = (clock, -len(orders[position]) - 1)
+                heapq.heappush(lru, (last[ident], ident))
+            while total > capacity and lru:
+                stamp, ident = heapq.heappop(lru)
+                if last.get(ident) != stamp:
+                    continue
+                del last[ident]
+                children.pop(parent_of.pop(ident), None)
+                total -= size_of.pop(ident)
+        return found
 
     @contextlib.contextmanager
     def tentatively(self) -> Iterator[Callable[[Sequence[Hashable]], None]]:
@@ -290,6 +397,13 @@ class OnlineOrderer:
             forgotten.append(oldest)
         return tuple(forgotten)
 
+    def note_tail(self, size: float) -> None:
+        """A prompt was written with ``size`` (unit of the block sizes) besides its blocks: its question and
+        template, its own tail in the engine's cache (mutates a running mean, the cache model's per-request
+        tail in :meth:`plan_window`). O(1)."""
+        size = max(0.0, float(size))
+        self._tail = size if self._tail is None else self._tail + TAIL_SMOOTHING * (size - self._tail)
+
     def evict(self, request_id: Hashable) -> bool:
         """The engine evicted ``request_id``'s prefix: take its weight off its path (mutates). O(k)."""
         end = self._paths.pop(request_id, None)
@@ -316,6 +430,7 @@ class OnlineOrderer:
                 del self._frequency[key]
                 self._first_seen.pop(key, None)
                 self._postings.pop(key, None)
+                self._sizes.pop(key, None)
         self._requests_seen = max(1, self._requests_seen // 2)
 
     # ------------------------------------------------------------------------------------------------ checks
@@ -362,3 +477,4 @@ def _path_to(node: _TrieNode) -> list[Hashable]:
         path.append(node.key)
         node = node.parent
     return path[::-1]
+

@@ -64,6 +64,12 @@ class TenantIndexes:
             orderer.observe(context)
             return orderer.order(context, sizes)
 
+    def note_tail(self, tenant: str, size: float) -> None:
+        """A prompt of ``tenant`` was written with ``size`` characters besides its blocks (``OnlineOrderer.note_tail``:
+        the window planner's model of the cache counts it per request)."""
+        with self._lock:
+            self._orderer(tenant).note_tail(size)
+
     def release_order(
         self,
         tenant: str,

@@ -351,6 +351,8 @@ def plan_turn(
         )
         order = arrange(turn_input, shown, placement.prefix)
     text, positions, annotated = render_user_message(turn_input, decisions, order, config, labels)
+    if request_id:  # the user message's own characters (question, template) go into the cache after the blocks
+        indexes.note_tail(tenant, len(text) - sum(_size(turn_input.blocks[i]) for i in shown))
     messages = assemble_messages(turn_input.system_prompt, _delivered(turn_input, sent), text)
     return PreparedTurn(
         reservation_id=reservation.reservation_id,

@@ -167,13 +167,42 @@ def test_a_window_that_fits_the_cache_is_ordered_as_it_came():
 def test_the_batch_plan_of_a_window_keeps_empty_requests_and_leaves_the_trie_unchanged():
     orderer = OnlineOrderer()
     orderer.record(["p", "q"], "old")
-    window = [["x", "y"], [], ["y", "x", "z"]]
-    schedule, orders = orderer.plan_window(window, [sizes(keys) for keys in window], capacity=1.0)
-    assert sorted(schedule) == [0, 1, 2] and schedule[-1] == 1 and orders[1] == []
-    assert orders[0][:2] == orders[2][:2]  # the two share their prefix
+    window = _two_clusters()
+    window.insert(1, [])
+    schedule, orders = orderer.plan_window(window, [sizes(keys) for keys in window], capacity=50.0)
+    assert sorted(schedule) == list(range(17)) and schedule[-1] == 1 and orders[1] == []
+    assert orders[0][:3] == orders[3][:3]  # two requests of cluster a share their prefix
     assert all(Counter(order) == Counter(keys) for order, keys in zip(orders, window))
     orderer.check_integrity()
     assert len(orderer) == 1
+
+
+def test_an_outgrown_window_follows_the_cached_order_when_the_batch_plan_would_miss_it():
+    # the cache holds q before p; the window (150 > 100) holds both in every request, retrieved p first
+    window = [["p", "q", f"own{number}"] for number in range(3)]
+    window_sizes = [[20.0, 20.0, 10.0] for _ in window]
+    orderer = OnlineOrderer()
+    orderer.plan_window([["q", "p"]], [[20.0, 20.0]])  # learns the sizes
+    orderer.record(["q", "p"], "old")
+    schedule, orders = orderer.plan_window(window, window_sizes, capacity=100.0)
+    assert schedule == [0, 1, 2] and all(order[:2] == ["q", "p"] for order in orders)  # every one reuses the cache
+    batch = OnlineOrderer().plan_window(window, window_sizes, capacity=100.0)  # nothing cached: the batch plan
+    assert all(order[:2] == ["p", "q"] for order in batch[1])
+    assert orderer.cached_estimate(schedule, orders, 100.0) > orderer.cached_estimate(*batch, 100.0)
+    orderer.check_integrity()
+    assert len(orderer) == 1
+
+
+def test_the_cache_model_evicts_the_least_recently_used_and_counts_each_prompt_tail():
+    orderer = OnlineOrderer()
+    orderer.plan_window([["a"], ["b"]], [[20.0], [20.0]])  # learns the sizes
+    schedule, orders = [0, 1, 2], [["a"], ["b"], ["a"]]
+    assert orderer.cached_estimate(schedule, orders, 50.0) == 20.0  # a and b fit: the third finds a
+    assert orderer.cached_estimate(schedule, orders, 30.0) == 0.0  # b evicts a
+    assert orderer.cached_estimate(schedule, orders, 50.0, tail=15.0) == 0.0  # b and its tail evict a
+    orderer.record(["a"], "old")
+    assert orderer.cached_estimate([0], [["a", "b"]], 50.0) == 20.0  # what was sent is in the model
+    assert orderer.cached_estimate([0], [["a", "b"]], 10.0) == 0.0  # not when it exceeds the cache
 
 
 keys_strategy = st.lists(st.sampled_from("abcdefghij"), min_size=0, max_size=6, unique=True)
