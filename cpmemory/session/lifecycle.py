@@ -235,7 +235,8 @@ class FacadeCore:
         block orders it decides are used when the requests are then prepared (without ``prompt_order``) in this
         order. A window that fits the engine's cache keeps the arrival order, each request ordered as at W=1
         (running the best-cached first measured no better at W=32); a window whose blocks outgrow
-        ``cache_tokens`` is planned as a batch (block orders and a depth-first schedule), see docs/bench.md.
+        ``cache_tokens`` gets either those orders or a batch plan (block orders and a depth-first schedule),
+        whichever finds more cached in a model of the engine's LRU cache, see docs/bench.md.
         Nothing is recorded in the index until they are prepared; their blocks count as retrieved.
 
         Args:
