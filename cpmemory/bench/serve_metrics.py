@@ -35,7 +35,8 @@ PROXY_SAMPLES = {
 
 # counters kept per label value: sample name -> (key prefix, label)
 GROUPED = {"cpmemory_route_decisions_total": ("route_", "reason"), "cpmemory_fallbacks_total": ("fallback_", "kind"),
-           "cpmemory_fit_admissions_total": ("fit_", "reason")}
+           "cpmemory_fit_admissions_total": ("fit_", "reason"),
+           "cpmemory_gateway_attributions_total": ("served_on_", "replica")}
 
 
 def totals(text: str, wanted: Mapping[str, str]) -> dict[str, float]:
@@ -108,7 +109,8 @@ def engine_summary(raw: Mapping[str, float] | None) -> dict[str, Any] | None:
 
 def proxy_summary(raw: Mapping[str, float] | None) -> dict[str, Any] | None:
     """Route decisions by reason, fallbacks by kind, mean overhead (ms), KV-sync failures (registrations and
-    routing tokenizations) and cache-fit admissions by reason with their mean wait (ms) from a proxy delta."""
+    routing tokenizations), cache-fit admissions by reason with their mean wait (ms), and behind a gateway the turns
+    attributed to each replica by its KV events (``unknown``: none stood out), from a proxy delta."""
     if raw is None:
         return None
     count = raw.get("overhead_count", 0.0)
@@ -121,4 +123,5 @@ def proxy_summary(raw: Mapping[str, float] | None) -> dict[str, Any] | None:
             "kv_sync_failures": int(raw.get("kv_sync_failures", 0)),
             "fit_admissions": {key: value for key, value in grouped("fit_").items() if key not in ("wait_s", "waits")},
             "fit_wait_mean_ms": round(1000.0 * raw.get("fit_wait_s", 0.0) / raw["fit_waits"], 1)
-            if raw.get("fit_waits") else None}
+            if raw.get("fit_waits") else None,
+            "gateway_attributions": grouped("served_on_")}

@@ -236,11 +236,13 @@ cpmemory_fit_admissions_total{reason="live"} 7.0
 cpmemory_fit_admissions_total{reason="room"} 3.0
 cpmemory_fit_wait_seconds_sum 1.5
 cpmemory_fit_wait_seconds_count 3.0
+cpmemory_gateway_attributions_total{replica="0"} 4.0
+cpmemory_gateway_attributions_total{replica="unknown"} 2.0
 """
     summary = proxy_summary(delta({}, totals(text, PROXY_SAMPLES)))
     assert summary == {"route_reasons": {"affinity": 8, "cold": 2}, "fallbacks": {"route_tokenize": 1},
                        "overhead_mean_ms": 50.0, "kv_sync_failures": 1, "fit_admissions": {"live": 7, "room": 3},
-                       "fit_wait_mean_ms": 500.0}
+                       "fit_wait_mean_ms": 500.0, "gateway_attributions": {"0": 4, "unknown": 2}}
 
 
 def test_by_turn_splits_tokens_and_ttft_by_turn_number():
