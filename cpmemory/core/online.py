@@ -477,4 +477,3 @@ def _path_to(node: _TrieNode) -> list[Hashable]:
         path.append(node.key)
         node = node.parent
     return path[::-1]
-
