@@ -196,8 +196,9 @@ class KVSyncHub:
 
     def locate(self, prompt: Any) -> int | None:
         """The replica whose cache holds strictly the most leading blocks of ``prompt`` (engine hashes), or None
-        (no view, nothing matched, or a tie)."""
-        if self.view is None:
+        (no view, nothing matched, a tie, or a replica whose events were lost: its view is empty until it resyncs,
+        so it could have served the prompt unseen)."""
+        if self.view is None or not all(self.view.synced(index) for index in self._replicas):
             return None
         matched = sorted(((self.view.matched_blocks(index, prompt), index) for index in self._replicas), reverse=True)
         if not matched or matched[0][0] == 0 or (len(matched) > 1 and matched[1][0] == matched[0][0]):
