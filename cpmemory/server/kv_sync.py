@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -144,10 +144,15 @@ class KVSyncHub:
         state = self._replicas.get(replica)
         if state is None or not request_id:
             return
-        if len(self._pending) >= MAX_PENDING_REGISTRATIONS:  # bounded: under overload, skip (costs reuse only)
+        self._background(lambda: self._register(state, request_id, payload, tenant))
+
+    def _background(self, work: Callable[[], Coroutine[Any, Any, None]]) -> None:
+        """Run ``work()`` as a background task, at most ``MAX_PENDING_REGISTRATIONS`` at once (under overload it is
+        skipped and counted as a failure: that costs reuse only)."""
+        if len(self._pending) >= MAX_PENDING_REGISTRATIONS:
             self.failures += 1
             return
-        task = asyncio.create_task(self._register(state, request_id, payload, tenant))
+        task = asyncio.create_task(work())
         self._pending.add(task)
         task.add_done_callback(self._pending.discard)
 
@@ -172,12 +177,7 @@ class KVSyncHub:
         every replica (conservative, as without a view) and ``found(None)`` is called. No-op without a view."""
         if self.view is None or not self._replicas or not request_id:
             return
-        if len(self._pending) >= MAX_PENDING_REGISTRATIONS:  # bounded: under overload, skip (costs reuse only)
-            self.failures += 1
-            return
-        task = asyncio.create_task(self._attribute(request_id, payload, tenant, found))
-        self._pending.add(task)
-        task.add_done_callback(self._pending.discard)
+        self._background(lambda: self._attribute(request_id, payload, tenant, found))
 
     async def _attribute(self, request_id: str, payload: Mapping[str, Any], tenant: str,
                          found: Callable[[int | None], None]) -> None:
