@@ -33,6 +33,9 @@ PROXY_SAMPLES = {
     "cpmemory_fit_wait_seconds_sum": "fit_wait_s", "cpmemory_fit_wait_seconds_count": "fit_waits",
 }
 
+PER_ENGINE = ("prefill_s", "queue_s", "computed_tokens")
+"""Engine samples also kept per engine (``NAME@i``, i the position in the scraped URLs): how the work was spread."""
+
 # counters kept per label value: sample name -> (key prefix, label)
 GROUPED = {"cpmemory_route_decisions_total": ("route_", "reason"), "cpmemory_fallbacks_total": ("fallback_", "kind"),
            "cpmemory_fit_admissions_total": ("fit_", "reason"),
@@ -69,10 +72,17 @@ async def scrape(urls: Sequence[str], wanted: Mapping[str, str], timeout_s: floa
         rows = await asyncio.gather(*(one(client, url) for url in urls))
     if any(row is None for row in rows):
         return None
+    return combine([row or {} for row in rows])
+
+
+def combine(rows: Sequence[Mapping[str, float]]) -> dict[str, float]:
+    """Several servers' samples summed, and those of :data:`PER_ENGINE` also kept per server (``NAME@i``). Pure."""
     summed: dict[str, float] = {}
-    for row in rows:
-        for key, value in (row or {}).items():
+    for position, row in enumerate(rows):
+        for key, value in row.items():
             summed[key] = summed.get(key, 0.0) + value
+            if key in PER_ENGINE:
+                summed[f"{key}@{position}"] = value
     return summed
 
 
@@ -101,10 +111,16 @@ def engine_summary(raw: Mapping[str, float] | None) -> dict[str, Any] | None:
     def mean(total: str, count: str) -> float | None:
         return round(1000.0 * raw[total] / raw[count], 1) if raw.get(count) else None
 
+    engines = sorted({int(key.rsplit("@", 1)[1]) for key in raw if "@" in key})
+    per_engine = [{"prefill_s": round(raw.get(f"prefill_s@{i}", 0.0), 2), "queue_s": round(raw.get(f"queue_s@{i}", 0.0), 2),
+                   "computed_tokens": int(raw.get(f"computed_tokens@{i}", 0))} for i in engines]
+    busy = [row["prefill_s"] for row in per_engine]
     return {"requests": int(raw.get("requests", 0)), "ttft_mean_ms": mean("ttft_s", "requests"),
             "queue_mean_ms": mean("queue_s", "queued"), "prefill_mean_ms": mean("prefill_s", "prefilled"),
             "prompt_tokens": int(raw.get("prompt_tokens", 0)), "cached_tokens": int(raw.get("cached_tokens", 0)),
-            "computed_tokens": int(raw.get("computed_tokens", 0)), "preemptions": int(raw.get("preemptions", 0))}
+            "computed_tokens": int(raw.get("computed_tokens", 0)), "preemptions": int(raw.get("preemptions", 0)),
+            "per_engine": per_engine,
+            "prefill_max_over_mean": round(max(busy) * len(busy) / sum(busy), 3) if busy and sum(busy) > 0 else None}
 
 
 def proxy_summary(raw: Mapping[str, float] | None) -> dict[str, Any] | None:

@@ -222,6 +222,22 @@ def test_engine_counters_of_a_strategy_are_the_difference_of_two_scrapes_pooled_
     assert engine_summary(None) is None
 
 
+def test_the_engine_summary_says_how_the_work_was_spread_over_the_engines():
+    from cpmemory.bench.serve_metrics import ENGINE_SAMPLES, combine, delta, engine_summary, totals
+
+    idle = totals(VLLM_METRICS, ENGINE_SAMPLES)
+    busy = totals(VLLM_METRICS.replace("prefill_time_seconds_sum{engine=\"0\",model_name=\"tiny\"} 6.0",
+                                       "prefill_time_seconds_sum{engine=\"0\",model_name=\"tiny\"} 9.0")
+                  .replace("computed_tokens_sum{engine=\"0\",model_name=\"tiny\"} 5000.0",
+                           "computed_tokens_sum{engine=\"0\",model_name=\"tiny\"} 8000.0"), ENGINE_SAMPLES)
+    # engine 0 prefilled 3 s and 3,000 tokens more during the run, engine 1 nothing
+    summary = engine_summary(delta(combine([idle, idle]), combine([busy, idle])))
+    assert summary is not None and summary["computed_tokens"] == 3000
+    assert summary["per_engine"] == [{"prefill_s": 3.0, "queue_s": 0.0, "computed_tokens": 3000},
+                                     {"prefill_s": 0.0, "queue_s": 0.0, "computed_tokens": 0}]
+    assert summary["prefill_max_over_mean"] == 2.0  # all the work on one of two engines
+
+
 def test_proxy_counters_group_route_reasons_and_fallbacks():
     from cpmemory.bench.serve_metrics import PROXY_SAMPLES, delta, proxy_summary, totals
 
