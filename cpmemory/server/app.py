@@ -372,6 +372,7 @@ def _install_routes(app: Any, service: ProxyService, resolve_tenant: _TenantReso
                 turn = turn_input(request, x_cpmemory_conversation)
             except InvalidInputError as error:  # rejected before it is held: nothing waits for a bad request
                 return error_response(400, "invalid_request_error", "invalid_input", str(error))
+            service.arrived(tenant, turn)
         admission = await admit(service, raw, tenant, turn)
         if admission is None:  # the client went away while held: nothing was prepared or sent
             return Response(status_code=499)

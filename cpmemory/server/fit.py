@@ -23,7 +23,8 @@ known.
 
 A conversation is *live* on its replica from its first admitted turn until it has had no turn in flight or waiting for
 ``idle_s`` (an agent's next turn comes within milliseconds; a human's, seconds later, enters again and usually finds
-its replica by affinity); one that has had a single turn so far (a lone question, or a first turn) stays only
+its replica by affinity; the next turn's arrival at the proxy restarts the window, ``touch``, so the time the proxy
+spends holding and preparing it does not count); one that has had a single turn so far (a lone question, or a first turn) stays only
 ``first_idle_s``, so independent questions do not hold the cache for turns that never come. Live conversations are kept in admission order; the *resident* ones are those that fit, taken
 first fit in that order within ``fill`` times the replica's KV cache (the oldest always). Conversations grow, so a
 resident one may stop being resident when an older one grows: its turns then wait until the older ones end. A new
@@ -201,6 +202,15 @@ class CacheFit:
             if not any(other.in_flight for other in self._live.values() if other.replica == old):
                 self._quiet_since[old] = self._clock()
         self._pump()
+
+    def touch(self, key: str) -> None:
+        """Conversation ``key``'s next turn reached the proxy: its idle window restarts, so the time the proxy spends
+        preparing the turn (and tokenizing it) does not make it lose its place before the turn is admitted."""
+        live = self._live.get(key)
+        if live is not None and live.idle_since is not None and live.in_flight == 0:
+            now = self._clock()
+            if now - live.idle_since < self._idle_window(live):
+                live.idle_since = now
 
     def estimate(self, chars: int, answer_tokens: int) -> int:
         """A turn's footprint before the engine counted it: its prompt's characters and its answer's tokens."""

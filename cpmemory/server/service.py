@@ -382,6 +382,12 @@ class ProxyService:
         return OpenedStream(opened, payload.strip_usage, fit=slot,
                             registration=_Registration(key, request_id, payload.body, tenant, hint, self.upstream))
 
+    def arrived(self, tenant: str, turn: TurnInput) -> None:
+        """A turn reached the proxy (before it is held and prepared): cache-fit admission keeps its conversation's
+        place meanwhile (``CacheFit.touch``)."""
+        if self.fit is not None:
+            self.fit.touch(conversation_affinity_key(tenant, turn.conversation_id))
+
     async def place(self, key: str, payload: Mapping[str, Any], hint: RouteHint, request: ChatCompletionRequest
                     ) -> tuple[FitSlot, RouteHint]:
         """Cache-fit admission of a turn (cpmemory.server.fit): waits while no replica's cache has room for a new

@@ -250,3 +250,22 @@ def test_a_conversation_moved_to_the_replica_that_served_it_counts_there_and_may
         assert (slot.replica, slot.reason) == (1, "resumed")
 
     asyncio.run(main())
+
+
+def test_a_turn_that_reached_the_proxy_keeps_its_conversation_live_while_it_is_prepared() -> None:
+    async def main() -> None:
+        fit = CacheFit([1000], fill=1.0, idle_s=0.3, first_idle_s=0.3, grace_s=10.0)
+        for turn in (1, 2):
+            slot = await fit.admit("a", chars(300 * turn), 0, [0])
+            slot.end(0, 300 * turn, 0)
+        await asyncio.sleep(0.2)
+        fit.touch("a")  # a's third turn arrived; preparing it takes longer than what is left of the idle window
+        await asyncio.sleep(0.2)
+        third = await fit.admit("a", chars(900), 0, [0])
+        assert third.reason == "live"  # not expired and re-admitted as a new conversation
+        third.end(0, 900, 0)
+        await asyncio.sleep(0.35)
+        fit.touch("a")  # too late: its idle window had passed (a touch does not revive a conversation)
+        assert (await fit.admit("a", chars(900), 0, [0])).reason == "room"
+
+    asyncio.run(main())
