@@ -21,19 +21,28 @@ from typing import Any
 
 from cpmemory.errors import EngineError, InvalidInputError, MissingDependencyError
 
+PROBE: tuple[dict[str, str], ...] = (
+    {"role": "system", "content": "cpmemory tokenizer probe."},
+    {"role": "user", "content": "Hello, world! 1,234 tokens? Ünïcödé, tabs\tand\nnew lines."},
+    {"role": "assistant", "content": "Hi: (an answer)."},
+    {"role": "user", "content": "And again, once more."},
+)
+"""A chat the engine and a candidate local tokenizer must tokenize to the same ids (:func:`discover`)."""
+
 
 class LocalTokenizer:
     """Chat prompts to token ids as the engine builds them (see the module docstring)."""
 
-    def __init__(self, name_or_path: str) -> None:
+    def __init__(self, name_or_path: str, *, local_only: bool = False) -> None:
         """Load the tokenizer and its chat template (raises InvalidInputError when it cannot be loaded or has no
-        template; MissingDependencyError without ``transformers``)."""
+        template; MissingDependencyError without ``transformers``). ``local_only``: never download (a Hugging Face
+        id loads only from the local cache)."""
         try:
             from transformers import AutoTokenizer
         except ImportError as exc:
             raise MissingDependencyError("tokenizer", "transformers") from exc
         try:
-            self._tokenizer: Any = AutoTokenizer.from_pretrained(name_or_path)
+            self._tokenizer: Any = AutoTokenizer.from_pretrained(name_or_path, local_files_only=local_only)
         except (OSError, ValueError) as exc:
             raise InvalidInputError(f"cannot load the tokenizer {name_or_path!r}: {exc}") from exc
         if not getattr(self._tokenizer, "chat_template", None):
@@ -55,3 +64,32 @@ class LocalTokenizer:
         """:meth:`tokenize_now` in a worker thread; the signature of ``AsyncEngineClient.tokenize`` (``model``
         is ignored: one tokenizer serves one model)."""
         return await asyncio.to_thread(self.tokenize_now, list(messages or ()))
+
+
+async def discover(client: Any, model: str | None = None) -> tuple[LocalTokenizer | None, str]:
+    """The engine's own tokenizer, loaded in this process, when the engine allows it; else None. Returns it and why.
+
+    ``client`` is an ``AsyncEngineClient``. The engine's ``GET /v1/models`` names where its model came from (vLLM's
+    ``root``: a directory or a Hugging Face id); when that loads here without a download (a directory on this
+    machine, or an id in the local Hugging Face cache) and its chat tokenization of :data:`PROBE` equals the engine's
+    ``POST /tokenize``, it is the engine's tokenizer. Raises EngineError when the engine did not answer (try later).
+    """
+    payload = await client.models()
+    entries = payload.get("data") if isinstance(payload, Mapping) else None
+    entries = [entry for entry in entries if isinstance(entry, Mapping)] if isinstance(entries, list) else []
+    chosen = next((entry for entry in entries if entry.get("id") == model), entries[0] if entries else None)
+    root = chosen.get("root") if chosen is not None else None
+    if chosen is None or not isinstance(root, str) or not root:
+        return None, "the engine names no model root in /v1/models"
+    try:
+        local = await asyncio.to_thread(LocalTokenizer, root, local_only=True)
+    except (InvalidInputError, MissingDependencyError) as error:
+        return None, f"{root!r} does not load here: {error}"
+    engine_ids = await client.tokenize(list(PROBE), model=model or chosen.get("id"))
+    try:
+        local_ids = await local.tokenize(PROBE)
+    except EngineError as error:
+        return None, f"{root!r} cannot tokenize the probe: {error}"
+    if list(engine_ids) != local_ids:
+        return None, f"{root!r} tokenizes differently from the engine's /tokenize"
+    return local, f"the engine's tokenizer, loaded from {root!r}"

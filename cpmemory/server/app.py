@@ -30,6 +30,7 @@ from cpmemory.errors import (
     CpMemoryError,
     EngineError,
     EngineStatusError,
+    EngineUnreachableError,
     InvalidInputError,
     MissingDependencyError,
     NoHealthyReplicaError,
@@ -156,11 +157,17 @@ def create_app(
     service.hold = build_hold(config, service.memory, router, metrics,
                               cache_tokens=lambda: fleet_cache_tokens(config, service.fit))
     tokenizer = build_tokenizer(config)
+    metrics.local_tokenizer.set(1 if tokenizer is not None else 0)
     http_client = getattr(dispatcher.transport, "client", None)
     if config.prompt_budget and http_client is not None:
         settings = EngineSettings(base_url=targets[0], timeout_s=min(5.0, config.engine_timeout_s))
         service.engine_budget = EngineBudget(AsyncEngineClient(settings, http=http_client), tokenizer)
         service.answer_reserve_tokens = config.answer_reserve_tokens
+    finder_client = None  # asks a replica itself (behind a gateway too: a gateway need not relay /tokenize)
+    if tokenizer is None and config.auto_tokenizer and http_client is not None and (
+            config.prompt_budget or config.kv_events):
+        settings = EngineSettings(base_url=(config.engines or targets)[0], timeout_s=min(5.0, config.engine_timeout_s))
+        finder_client = AsyncEngineClient(settings, http=http_client)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: Any) -> AsyncIterator[None]:
@@ -177,11 +184,16 @@ def create_app(
                 event_view = EventPrefixView(len(config.engines))
             service.kv_sync = KVSyncHub(service.memory, config.engines, config.kv_events, event_view, tokenizer)
             await service.kv_sync.start()
+        finder = None if finder_client is None else asyncio.create_task(adopt_engine_tokenizer(service, finder_client))
         try:
             yield
         finally:
             stop.set()
             await probe
+            if finder is not None:
+                finder.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await finder
             if sizing is not None:
                 sizing.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
@@ -271,6 +283,40 @@ async def size_fit(fit: CacheFit, config: ServerConfig) -> None:
     for replica, size in enumerate(sizes):
         if size is not None:
             fit.set_capacity(replica, size)
+
+
+TOKENIZER_RETRY_S = 10.0
+TOKENIZER_TRIES = 60
+
+
+async def adopt_engine_tokenizer(service: ProxyService, client: Any, *, retry_s: float = TOKENIZER_RETRY_S,
+                                 tries: int = TOKENIZER_TRIES) -> bool:
+    """Without ``--tokenizer``: find the engine's own tokenizer (``local_tokenizer.discover``) and use it for prompt
+    counts and KV-event hashing instead of ``/tokenize`` round trips (about 105 ms each on a busy replica). Retries
+    while the engine does not answer (it may start after the proxy); gives up at once on a tokenizer that does not
+    load here or tokenizes differently. Returns whether it adopted one."""
+    from cpmemory.engines.local_tokenizer import discover
+
+    for attempt in range(tries):
+        try:
+            local, why = await discover(client)
+        except EngineUnreachableError as error:
+            logger.debug("engine tokenizer: %s (attempt %d)", error, attempt + 1)
+            await asyncio.sleep(retry_s)
+            continue
+        except EngineError as error:  # it answered, with an error: /v1/models or /tokenize is not served
+            local, why = None, str(error)
+        if local is None:
+            logger.info("prompts are counted by the engine's /tokenize: %s", why)
+            return False
+        if service.engine_budget is not None:
+            service.engine_budget.use_tokenizer(local)
+        if service.kv_sync is not None:
+            service.kv_sync.tokenizer = local
+        service.metrics.local_tokenizer.set(1)
+        logger.info("prompts are tokenized in the proxy: %s", why)
+        return True
+    return False
 
 
 def build_tokenizer(config: ServerConfig) -> Any:

@@ -91,6 +91,15 @@ class EngineBudget:
         counted, ratio = self._ratio.get(model, (0, 1.0))
         self._ratio[model] = (counted + 1, max(ratio, engine_tokens / max(1, planned)))
 
+    @property
+    def client(self) -> Any:
+        """The engine client asked for ``/v1/models`` and ``/tokenize``."""
+        return self._client
+
+    def use_tokenizer(self, tokenizer: Any) -> None:
+        """Count prompts with ``tokenizer`` (the engine's own, found after start) instead of ``/tokenize``."""
+        self._tokenizer = tokenizer
+
     async def limits(self, model: str) -> EngineLimits:
         """The engine's limits for ``model`` (asked once; again after RETRY_AFTER_S when it did not answer)."""
         known = self._limits.get(model)

@@ -50,6 +50,10 @@ class ProxyMetrics:
             ["kind"], registry=registry,
         )
         self.healthy_replicas = Gauge("cpmemory_healthy_replicas", "Replicas in rotation", registry=registry)
+        self.local_tokenizer = Gauge("cpmemory_local_tokenizer",
+                                     "1 when prompts are tokenized in the proxy (--tokenizer, or the engine's own "
+                                     "found at start), 0 when each count asks an engine's /tokenize",
+                                     registry=registry)
         self.healthy_replicas.set(replica_count)
         self.evictions = Counter("cpmemory_evicted_leaves", "Index leaves removed by reports", registry=registry)
         self.kv_sync = Gauge("cpmemory_kv_sync", "KV-event eviction sync counters per replica", ["replica", "counter"],
