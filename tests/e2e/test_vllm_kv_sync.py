@@ -84,8 +84,9 @@ async def test_without_a_tokenizer_flag_the_proxy_adopts_the_engines_own_and_cou
     messages = [{"role": "system", "content": "Answer briefly."},
                 {"role": "user", "content": "Which ships does the harbor ledger list? " * 30}]
     async with app.router.lifespan_context(app):
-        deadline = time.monotonic() + 60
-        while service.metrics.local_tokenizer._value.get() != 1 and time.monotonic() < deadline:
+        for _ in range(300):  # found in the background after start (60 s at most)
+            if service.metrics.local_tokenizer._value.get() == 1:
+                break
             await asyncio.sleep(0.2)
         assert service.metrics.local_tokenizer._value.get() == 1, "the engine's tokenizer was not adopted"
         assert isinstance(service.kv_sync.tokenizer, LocalTokenizer)
