@@ -54,6 +54,12 @@ class RecordingTransport:
         self.inner = inner
         self.sent: dict[str, list[Mapping[str, str]]] = {}
 
+    @property
+    def client(self) -> Any:
+        """The inner transport's HTTP client (the proxy's engine client for ``/v1/models`` and ``/tokenize`` uses
+        it: without it a proxy on this transport would run without the prompt budget and the engine's tokenizer)."""
+        return getattr(self.inner, "client", None)
+
     async def complete(self, base_url: str, payload: Mapping[str, Any], headers: Mapping[str, str],
                        timeout_s: float) -> dict[str, Any]:
         self.sent[str(payload.get("request_id"))] = list(payload.get("messages") or [])

@@ -31,7 +31,10 @@ PROXY_SAMPLES = {
     "cpmemory_middleware_overhead_seconds_count": "overhead_count",
     "cpmemory_kv_sync_failures": "kv_sync_failures",
     "cpmemory_fit_wait_seconds_sum": "fit_wait_s", "cpmemory_fit_wait_seconds_count": "fit_waits",
+    "cpmemory_local_tokenizer": "local_tokenizer",
 }
+GAUGES = ("local_tokenizer",)
+"""Samples that are states, not counters: a delta keeps the later value, pooled rounds the largest."""
 
 PER_ENGINE = ("prefill_s", "queue_s", "computed_tokens")
 """Engine samples also kept per engine (``NAME@i``, i the position in the scraped URLs): how the work was spread."""
@@ -90,7 +93,7 @@ def delta(before: Mapping[str, float] | None, after: Mapping[str, float] | None)
     """``after - before`` per key (None when either scrape failed). Pure."""
     if before is None or after is None:
         return None
-    return {key: value - before.get(key, 0.0) for key, value in after.items()}
+    return {key: value if key in GAUGES else value - before.get(key, 0.0) for key, value in after.items()}
 
 
 def add(total: dict[str, float] | None, more: Mapping[str, float] | None, first: bool) -> dict[str, float] | None:
@@ -99,7 +102,7 @@ def add(total: dict[str, float] | None, more: Mapping[str, float] | None, first:
         return None
     out = dict(total or {})
     for key, value in more.items():
-        out[key] = out.get(key, 0.0) + value
+        out[key] = max(out.get(key, 0.0), value) if key in GAUGES else out.get(key, 0.0) + value
     return out
 
 
@@ -126,7 +129,8 @@ def engine_summary(raw: Mapping[str, float] | None) -> dict[str, Any] | None:
 def proxy_summary(raw: Mapping[str, float] | None) -> dict[str, Any] | None:
     """Route decisions by reason, fallbacks by kind, mean overhead (ms), KV-sync failures (registrations and
     routing tokenizations), cache-fit admissions by reason with their mean wait (ms), and behind a gateway the turns
-    attributed to each replica by its KV events (``unknown``: none stood out), from a proxy delta."""
+    attributed to each replica by its KV events (``unknown``: none stood out), and whether prompts were tokenized
+    in the proxy by the end (``local_tokenizer``), from a proxy delta."""
     if raw is None:
         return None
     count = raw.get("overhead_count", 0.0)
@@ -140,4 +144,5 @@ def proxy_summary(raw: Mapping[str, float] | None) -> dict[str, Any] | None:
             "fit_admissions": {key: value for key, value in grouped("fit_").items() if key not in ("wait_s", "waits")},
             "fit_wait_mean_ms": round(1000.0 * raw.get("fit_wait_s", 0.0) / raw["fit_waits"], 1)
             if raw.get("fit_waits") else None,
-            "gateway_attributions": grouped("served_on_")}
+            "gateway_attributions": grouped("served_on_"),
+            "local_tokenizer": bool(raw.get("local_tokenizer"))}

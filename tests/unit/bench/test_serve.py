@@ -254,11 +254,16 @@ cpmemory_fit_wait_seconds_sum 1.5
 cpmemory_fit_wait_seconds_count 3.0
 cpmemory_gateway_attributions_total{replica="0"} 4.0
 cpmemory_gateway_attributions_total{replica="unknown"} 2.0
+cpmemory_local_tokenizer 1.0
 """
-    summary = proxy_summary(delta({}, totals(text, PROXY_SAMPLES)))
+    after = totals(text, PROXY_SAMPLES)
+    summary = proxy_summary(delta({}, after))
     assert summary == {"route_reasons": {"affinity": 8, "cold": 2}, "fallbacks": {"route_tokenize": 1},
                        "overhead_mean_ms": 50.0, "kv_sync_failures": 1, "fit_admissions": {"live": 7, "room": 3},
-                       "fit_wait_mean_ms": 500.0, "gateway_attributions": {"0": 4, "unknown": 2}}
+                       "fit_wait_mean_ms": 500.0, "gateway_attributions": {"0": 4, "unknown": 2},
+                       "local_tokenizer": True}
+    # a state, not a counter: found before the run (1 before and after) is still found
+    assert proxy_summary(delta(after, after))["local_tokenizer"] is True
 
 
 def test_by_turn_splits_tokens_and_ttft_by_turn_number():
@@ -273,3 +278,19 @@ def test_by_turn_splits_tokens_and_ttft_by_turn_number():
     first, second = (str(turn) for turn in sorted({job.request.turn for turns in sessions for job in turns}))
     assert rows[first]["requests"] == 2 and rows[second]["prompt_tokens"] == 2 * 10 * int(second)
     assert rows[second]["ttft_mean_ms"] == 100.0 * int(second)
+
+
+async def test_the_bench_proxy_has_the_prompt_budget_and_finds_the_engines_tokenizer_as_cpmemory_serve_does():
+    """The in-process proxy records what reaches the engines through a wrapping transport; the wrapper must still
+    give the proxy its HTTP client, or the proxy would run without the prompt budget and without looking for the
+    engine's tokenizer (what ``bench serve`` measured before)."""
+    from cpmemory.bench.load import RecordingTransport
+    from cpmemory.routing.transport import HttpxChatTransport
+    from cpmemory.server.app import ServerConfig, create_app
+
+    inner = HttpxChatTransport()
+    recording = RecordingTransport(inner)
+    app = create_app(ServerConfig(engines=["http://127.0.0.1:9"]), transport=recording)
+    assert recording.client is inner.client
+    assert app.state.service.engine_budget is not None
+    await inner.aclose()
