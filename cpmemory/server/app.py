@@ -164,8 +164,7 @@ def create_app(
         service.engine_budget = EngineBudget(AsyncEngineClient(settings, http=http_client), tokenizer)
         service.answer_reserve_tokens = config.answer_reserve_tokens
     finder_client = None  # asks a replica itself (behind a gateway too: a gateway need not relay /tokenize)
-    if tokenizer is None and config.auto_tokenizer and http_client is not None and (
-            config.prompt_budget or config.kv_events):
+    if config.tokenizer == AUTO_TOKENIZER and http_client is not None and (config.prompt_budget or config.kv_events):
         settings = EngineSettings(base_url=(config.engines or targets)[0], timeout_s=min(5.0, config.engine_timeout_s))
         finder_client = AsyncEngineClient(settings, http=http_client)
 
@@ -285,14 +284,15 @@ async def size_fit(fit: CacheFit, config: ServerConfig) -> None:
             fit.set_capacity(replica, size)
 
 
+AUTO_TOKENIZER = "auto"
 TOKENIZER_RETRY_S = 10.0
 TOKENIZER_TRIES = 60
 
 
 async def adopt_engine_tokenizer(service: ProxyService, client: Any, *, retry_s: float = TOKENIZER_RETRY_S,
                                  tries: int = TOKENIZER_TRIES) -> bool:
-    """Without ``--tokenizer``: find the engine's own tokenizer (``local_tokenizer.discover``) and use it for prompt
-    counts and KV-event hashing instead of ``/tokenize`` round trips (about 105 ms each on a busy replica). Retries
+    """``--tokenizer auto``: find the engine's own tokenizer (``local_tokenizer.discover``) and use it for prompt
+    counts and KV-event hashing instead of ``/tokenize`` round trips. Retries
     while the engine does not answer (it may start after the proxy); gives up at once on a tokenizer that does not
     load here or tokenizes differently. Returns whether it adopted one."""
     from cpmemory.engines.local_tokenizer import discover
@@ -321,8 +321,9 @@ async def adopt_engine_tokenizer(service: ProxyService, client: Any, *, retry_s:
 
 def build_tokenizer(config: ServerConfig) -> Any:
     """The served model's tokenizer when ``config.tokenizer`` names one (loaded now: a bad path fails the start
-    with InvalidInputError), else None (the replicas' ``/tokenize`` is asked)."""
-    if config.tokenizer is None:
+    with InvalidInputError), else None (the replicas' ``/tokenize`` is asked; ``"auto"``: until the engine's own is
+    found, :func:`adopt_engine_tokenizer`)."""
+    if config.tokenizer is None or config.tokenizer == AUTO_TOKENIZER:
         return None
     from cpmemory.engines.local_tokenizer import LocalTokenizer
 

@@ -77,11 +77,8 @@ def command(
         None, "--tokenizer", show_default=False,
         help="The served model's tokenizer (a directory or Hugging Face id; needs cpmemory[tokenizer]): prompts are "
         "tokenized in the proxy for --kv-events routing, eviction sync and the prompt budget, instead of by each "
-        "engine's /tokenize."),
-    auto_tokenizer: bool = typer.Option(
-        True, "--auto-tokenizer/--no-auto-tokenizer",
-        help="Without --tokenizer: use the engine's own tokenizer when the model its /v1/models names loads here "
-        "without a download and tokenizes a probe exactly as its /tokenize."),
+        "engine's /tokenize. 'auto': the engine's own, when the model its /v1/models names loads here without a "
+        "download and tokenizes a probe exactly as its /tokenize."),
     api_key: Annotated[list[str] | None, typer.Option("--api-key", help="KEY=TENANT (repeatable).")] = None,
     api_keys_file: Annotated[Path | None, typer.Option("--api-keys-file", help="JSON object {KEY: TENANT}.")] = None,
     redis_prefix: str = typer.Option(SERVER_REDIS.prefix, "--redis-prefix", help="Key prefix in Redis."),
@@ -147,7 +144,7 @@ def command(
             api_keys=parse_api_keys(api_key, api_keys_file), cache_salt_secret=cache_salt_secret,
             cache_salt=cache_salt, upstream_session=upstream_session,
             engine_timeout_s=engine_timeout, kv_events=kv_events, tokenizer=tokenizer,
-            auto_tokenizer=auto_tokenizer, upstream=upstream, router=RouterConfig(policy=router_policy),  # type: ignore[arg-type]
+            upstream=upstream, router=RouterConfig(policy=router_policy),  # type: ignore[arg-type]
             replica_cache_tokens=replica_cache_tokens, max_in_flight=max_in_flight, hold_ms=hold_ms,
             fit=fit, fit_fill=fit_fill, fit_max_wait_s=fit_max_wait, fit_idle_ms=fit_idle_ms,
         )

@@ -45,10 +45,10 @@ class ServerConfig(BaseModel):
             holds its history (vllm-router: ``--kv-aware-session-affinity-ttl-secs``). Off by default: engines that
             give ``session_params`` a meaning of their own (SGLang's sessions) must not receive it.
         tokenizer: the served model's tokenizer (directory or Hugging Face id): the proxy tokenizes prompts itself
-            (``cpmemory.engines.local_tokenizer``) instead of asking each engine's ``/tokenize``.
-        auto_tokenizer: without ``tokenizer``, use the engine's own when the model it names in ``/v1/models`` loads
-            here without a download and tokenizes a probe chat exactly as its ``/tokenize``
-            (``cpmemory.engines.local_tokenizer.discover``); else keep asking ``/tokenize``.
+            (``cpmemory.engines.local_tokenizer``) instead of asking each engine's ``/tokenize``. ``"auto"``: the
+            engine's own, when the model its ``/v1/models`` names loads here without a download and tokenizes a
+            probe chat exactly as its ``/tokenize`` (``cpmemory.engines.local_tokenizer.discover``); until then, and
+            otherwise, each engine's ``/tokenize``.
         upstream: a gateway (vllm-router, llm-d, an SGLang router) that picks the replica; every call goes there.
             ``engines`` are then the replicas behind it, used only for ``/tokenize``, cache config and, with
             ``kv_events``, to find out which replica served each turn (eviction sync there, and cache-fit admission
@@ -84,8 +84,7 @@ class ServerConfig(BaseModel):
     engine_timeout_s: float = Field(default=120.0, gt=0)
     router: RouterConfig = Field(default_factory=RouterConfig)
     kv_events: list[str] = Field(default_factory=list, description="KV-event endpoint per engine, in order")
-    tokenizer: str | None = Field(default=None, description="the served model's tokenizer (path or HF id)")
-    auto_tokenizer: bool = True
+    tokenizer: str | None = Field(default=None, description="the served model's tokenizer (path, HF id or auto)")
     upstream: str | None = Field(default=None, description="a gateway that picks the replica")
     upstream_session: bool = Field(default=False, description="name each conversation to the gateway")
     replica_cache_tokens: int = Field(default=1_000_000, ge=0, description="per replica, for the sent view")

@@ -1,7 +1,7 @@
 """Real vLLM (CPM_VLLM_URL + CPM_VLLM_KV_ENDPOINT): the proxy's KV-event sync registers each turn's prompt with the
 tenant's cache_salt, and the block hashes it computes match the ones vLLM publishes in BlockStored events, whether
 the prompt was tokenized by the engine's ``/tokenize`` or by the proxy's local tokenizer of the served model
-(``--tokenizer``, the model directory CPM_VLLM_MODEL), and that without ``--tokenizer`` the proxy finds that
+(``--tokenizer``, the model directory CPM_VLLM_MODEL), and that with ``--tokenizer auto`` the proxy finds that
 tokenizer itself from what vLLM's ``/v1/models`` names."""
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ LOCAL = pytest.param("local", marks=pytest.mark.skipif(not os.path.isdir(MODEL),
 @pytest.mark.parametrize("tokenizer", ["engine", LOCAL])
 async def test_turns_register_with_the_tenant_salt_and_hashes_match_vllm(tokenizer: str) -> None:
     app = create_app(ServerConfig(engines=[URL], kv_events=[KV_ENDPOINT], engine_timeout_s=300,
-                                  tokenizer=MODEL if tokenizer == "local" else None, auto_tokenizer=False))
+                                  tokenizer=MODEL if tokenizer == "local" else None))
     service = app.state.service
     stamp = time.time_ns()  # fresh text: vLLM must store (and publish) new blocks for this run
     blocks = [{"id": f"k{i}", "text": f"Run {stamp} block {i}: " + "the harbor ledger lists every ship. " * 40}
@@ -73,13 +73,13 @@ async def test_the_local_tokenizer_gives_the_engines_tokens() -> None:
 
 
 @pytest.mark.skipif(not os.path.isdir(MODEL), reason=f"no model dir {MODEL}")
-async def test_without_a_tokenizer_flag_the_proxy_adopts_the_engines_own_and_counts_as_vllm() -> None:
+async def test_with_tokenizer_auto_the_proxy_adopts_the_engines_own_and_counts_as_vllm() -> None:
     """vLLM's ``/v1/models`` names its model directory (``root``); on this machine the proxy loads it, checks it
     against ``/tokenize`` and then counts prompts and hashes KV events with it: no ``/tokenize`` round trips."""
     from cpmemory.engines.client import AsyncEngineClient, EngineSettings
     from cpmemory.engines.local_tokenizer import LocalTokenizer
 
-    app = create_app(ServerConfig(engines=[URL], kv_events=[KV_ENDPOINT], engine_timeout_s=300))
+    app = create_app(ServerConfig(engines=[URL], kv_events=[KV_ENDPOINT], engine_timeout_s=300, tokenizer="auto"))
     service = app.state.service
     messages = [{"role": "system", "content": "Answer briefly."},
                 {"role": "user", "content": "Which ships does the harbor ledger list? " * 30}]

@@ -82,7 +82,7 @@ async def test_the_proxy_adopts_the_engines_tokenizer_once_the_engine_answers(tm
     from cpmemory.server.budget import EngineBudget
 
     directory = str(build(tmp_path))
-    app = create_app(ServerConfig(engines=["http://127.0.0.1:9"]))
+    app = create_app(ServerConfig(engines=["http://127.0.0.1:9"], tokenizer="auto"))
     service = app.state.service
     engine = Engine(directory, LocalTokenizer(directory).tokenize_now, down=2)
     service.engine_budget = EngineBudget(engine)
