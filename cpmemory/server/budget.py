@@ -8,7 +8,10 @@ counts the prompt exactly as the engine will (chat template applied) and, if the
 plans the turn again under a budget scaled down by the ratio, up to ``MAX_REPLANS`` times; a turn that still does
 not fit is a PromptBudgetError (400, nothing stored). To spare a call per turn, a prompt is counted only when its
 planned size times the largest engine/planned ratio seen (``UNLEARNED_RATIO`` until ``LEARN_COUNTS`` prompts of the
-model were counted) times ``COUNT_SLACK`` could exceed the budget. An engine that answers neither gives no budget (the turn is
+model were counted, and never under 1) times ``COUNT_SLACK`` could exceed the budget. Every answered prompt is a
+count too (its ``usage.prompt_tokens``); once learnt, the facade plans against the budget scaled by that ratio
+(:meth:`EngineBudget.planning_budget`): the default counter over-counts common tokenizers by design, and planning
+in its tokens against the engine's limit cut conversations' histories at 60-75% of the context. An engine that answers neither gives no budget (the turn is
 planned as before) and is asked again after ``RETRY_AFTER_S``.
 """
 
@@ -28,6 +31,8 @@ REPLAN_MARGIN = 0.97
 LEARN_COUNTS = 8
 UNLEARNED_RATIO = 2.0
 COUNT_SLACK = 1.25
+LEARN_MIN_TOKENS = 512
+PLAN_MARGIN = 0.97
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,14 +87,34 @@ class EngineBudget:
 
     def should_count(self, model: str, planned: int, budget: int) -> bool:
         """Whether the engine must count a prompt planned at ``planned`` tokens (see the module docstring)."""
-        counted, ratio = self._ratio.get(model, (0, 1.0))
+        counted, ratio = self._ratio.get(model, (0, 0.0))
         assumed = max(ratio, UNLEARNED_RATIO) if counted < LEARN_COUNTS else max(ratio, 1.0)
         return planned * assumed * COUNT_SLACK > budget
 
     def observe(self, model: str, planned: int, engine_tokens: int) -> None:
         """Remember the engine's count of a prompt planned at ``planned`` tokens."""
-        counted, ratio = self._ratio.get(model, (0, 1.0))
+        counted, ratio = self._ratio.get(model, (0, 0.0))
         self._ratio[model] = (counted + 1, max(ratio, engine_tokens / max(1, planned)))
+
+    def learn(self, model: str, planned: int | None, engine_tokens: int | None) -> None:
+        """An answered prompt: the engine's ``usage.prompt_tokens`` of a prompt the facade planned at ``planned``
+        (a count for free; prompts under ``LEARN_MIN_TOKENS`` are skipped: the chat template's own tokens weigh
+        too much there)."""
+        if planned and engine_tokens and planned >= LEARN_MIN_TOKENS:
+            self.observe(model, planned, engine_tokens)
+
+    def planning_budget(self, model: str, budget: int) -> int:
+        """The facade's budget, in its counter's tokens, for ``budget`` engine tokens: once ``LEARN_COUNTS`` prompts
+        of the model were counted, ``budget`` over the largest engine/planned ratio seen (times ``PLAN_MARGIN``);
+        before, ``budget`` itself. The default counter is built never to under-count a common tokenizer, so planned
+        against the engine's limit in its own tokens a prompt would be cut (its history windowed, which changes its
+        prefix and costs the cache) well before the engine's context is full; prompts that could still exceed the
+        engine's limit are counted exactly before they are sent (:meth:`should_count` keeps assuming no
+        over-count)."""
+        counted, ratio = self._ratio.get(model, (0, 0.0))
+        if counted < LEARN_COUNTS or ratio <= 0:
+            return budget
+        return max(1, int(budget / ratio * PLAN_MARGIN))
 
     @property
     def client(self) -> Any:

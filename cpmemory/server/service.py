@@ -278,7 +278,10 @@ class ProxyService:
             if limits.max_model_len is not None:
                 answer = requested_answer_tokens(request, self.answer_reserve_tokens)
                 budget = max(1, limits.max_model_len - answer)
-        prepared = await self._prepare_once(tenant, turn, budget)
+        planning = budget
+        if budget is not None and request is not None and self.engine_budget is not None:
+            planning = self.engine_budget.planning_budget(request.model, budget)
+        prepared = await self._prepare_once(tenant, turn, planning)
         if budget is None or limits is None or not limits.tokenize:
             return prepared
         return await self._fit_engine_count(tenant, turn, request, budget, prepared)
@@ -353,6 +356,7 @@ class ProxyService:
                 self.metrics.requests.labels(replica="none", outcome="engine_error").inc()
             raise
         slot.end(None if self.upstream else result.decision.index, *answer_usage(result.response.get("usage")))
+        self._learn_tokens(payload.get("model"), prepared, result.response.get("usage"))
         committed = await self.commit(prepared, response_text(result.response))
         if committed:
             self._register(result.decision.index, _Registration(key, request_id, payload, tenant, hint, self.upstream))
@@ -473,6 +477,8 @@ class ProxyService:
     ) -> None:
         started = time.perf_counter()
         if prepared is not None:
+            if collector.complete and opened.registration is not None:
+                self._learn_tokens(opened.registration.payload.get("model"), prepared, collector.usage)
             if collector.complete:
                 if await self.commit(prepared, collector.answer) and opened.registration is not None:
                     self._register(opened.decision.index, opened.registration)
@@ -480,6 +486,12 @@ class ProxyService:
                 await self.abort(prepared)
         self._count_engine(opened.decision, opened.dispatch.failovers, collector.usage)
         self.metrics.overhead.observe(overhead_s + time.perf_counter() - started)
+
+    def _learn_tokens(self, model: Any, prepared: PreparedTurn, usage: Any) -> None:
+        """An answered prompt's engine count (``usage.prompt_tokens``) against the facade's planned size: what the
+        prompt budget learns its counter's ratio from, at no cost (``EngineBudget.learn``)."""
+        if self.engine_budget is not None and isinstance(model, str):
+            self.engine_budget.learn(model, prepared.prompt_tokens, usage_tokens({"usage": usage})[0])
 
     async def commit(self, prepared: PreparedTurn, answer: str) -> bool:
         """Commit the turn; a store failure or an expired reservation is logged and counted, never raised."""

@@ -68,15 +68,17 @@ class MockEngine:
 
     def __init__(self, *, block_size: int = 16, capacity_blocks: int = 256, model: str = "tiny",
                  prefill_s_per_token: float = 0.0, listener: FrameListener | None = None,
-                 reply: Reply | None = None, max_model_len: int = 1 << 20) -> None:
+                 reply: Reply | None = None, max_model_len: int = 1 << 20, token_bytes: int = 1) -> None:
         """An empty cache of ``capacity_blocks`` blocks of ``block_size`` tokens; ``reply`` makes choice 0's
         answer from the request body (default ``"ok"``; choice ``i > 0`` answers it followed by ``" #i"``);
-        ``max_model_len`` is what ``/v1/models`` and ``/tokenize`` report."""
+        ``max_model_len`` is what ``/v1/models`` and ``/tokenize`` report; ``token_bytes``: UTF-8 bytes per token
+        (1: :func:`mock_tokenize`; more: a tokenizer more frugal than cpmemory's default estimate)."""
         self.reply = reply or _reply_ok
         self.hasher = BlockHasher(block_size)
         self.capacity_blocks = capacity_blocks
         self.model = model
         self.max_model_len = max_model_len
+        self.token_bytes = token_bytes
         self.prefill_s_per_token = prefill_s_per_token
         self.listener = listener
         self.down = False
@@ -143,6 +145,13 @@ class MockEngine:
             return httpx.Response(404, json={"error": {"message": "not found"}})
         return route(request)
 
+    def tokenize(self, text: str) -> list[int]:
+        """This engine's token ids of ``text`` (``token_bytes`` UTF-8 bytes per token, prefix-stable)."""
+        if self.token_bytes == 1:
+            return mock_tokenize(text)
+        data, step = text.encode("utf-8"), self.token_bytes
+        return [int.from_bytes(data[i:i + step], "big") % 60_000 + _TOKEN_OFFSET for i in range(0, len(data), step)]
+
     def _tokenize(self, request):
         import httpx
 
@@ -151,7 +160,7 @@ class MockEngine:
             text = render_chatml(body["messages"], body.get("add_generation_prompt", True))
         else:
             text = str(body.get("prompt", ""))
-        tokens = mock_tokenize(text)
+        tokens = self.tokenize(text)
         return httpx.Response(200, json={"count": len(tokens), "tokens": tokens, "max_model_len": self.max_model_len})
 
     def _models(self, _request):
@@ -188,7 +197,7 @@ class MockEngine:
 
         body = json.loads(request.content or b"{}")
         request_id = request.headers.get("x-request-id") or body.get("request_id") or f"mock-{len(self.requests)}"
-        tokens = mock_tokenize(render_chatml(body.get("messages") or []))
+        tokens = self.tokenize(render_chatml(body.get("messages") or []))
         cached = self._run_prefill(tokens, body.get("cache_salt"))
         self.requests.append({"request_id": request_id, "body": body, "cached_tokens": cached})
         if self.prefill_s_per_token:

@@ -82,3 +82,36 @@ async def test_engine_budget_counts_with_tokenize() -> None:
         assert limits.max_model_len == 5000 and limits.tokenize
         messages = [{"role": "user", "content": "hello"}]
         assert await budget.count("tiny", messages) == engine_tokens(messages)
+
+
+async def test_with_a_frugal_tokenizer_the_budget_learns_it_and_fills_the_engines_context(make_proxy) -> None:
+    """The default counter never under-counts a common tokenizer, so against an engine that needs fewer tokens it
+    would cut the history at a fraction of the context. Each answer's usage teaches the budget the engine/planned
+    ratio; then conversations fill the engine's context, and never exceed it."""
+    proxy = make_proxy(engine_count=1)
+    engine = proxy.engines[0]
+    engine.max_model_len, engine.token_bytes = 2000, 6
+    rng = random.Random(5)
+    docs = [" ".join(rng.choice(WORDS) for _ in range(40)) for _ in range(40)]
+    largest = 0
+    for turn in range(40):
+        blocks = [{"id": f"d{i}", "text": docs[i]} for i in rng.sample(range(40), 3)]
+        response = await proxy.client.post("/v1/chat/completions", json=body("frugal", f"q{turn}", blocks))
+        assert response.status_code == 200, response.text
+        sent = engine.requests[-1]["body"]["messages"]
+        size = len(engine.tokenize(render_chatml(sent)))
+        assert size <= 2000 - 64 and check_no_loss(blocks, sent).ok
+        largest = max(largest, size)
+    assert largest >= 0.75 * (2000 - 64), largest  # planned in the counter's own tokens: about a third
+
+
+def test_the_planning_budget_scales_by_the_largest_ratio_once_learnt() -> None:
+    budget = EngineBudget(client=None)
+    assert budget.planning_budget("m", 1000) == 1000  # nothing learnt yet
+    for planned in (600, 800, 1000, 1200, 700, 900, 650):
+        budget.learn("m", planned, planned // 2)
+    budget.learn("m", 100, 90)  # too short to say anything (the template's tokens)
+    assert budget.planning_budget("m", 1000) == 1000  # 7 of 8 learnt
+    budget.learn("m", 2000, 1200)  # the largest ratio seen: 0.6
+    assert budget.planning_budget("m", 1000) == int(1000 / 0.6 * 0.97)
+    assert budget.should_count("m", 801, 1000) and not budget.should_count("m", 799, 1000)  # never assumes < 1
