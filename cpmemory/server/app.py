@@ -159,14 +159,17 @@ def create_app(
     tokenizer = build_tokenizer(config)
     metrics.local_tokenizer.set(1 if tokenizer is not None else 0)
     http_client = getattr(dispatcher.transport, "client", None)
-    if config.prompt_budget and http_client is not None:
-        settings = EngineSettings(base_url=targets[0], timeout_s=min(5.0, config.engine_timeout_s))
-        service.engine_budget = EngineBudget(AsyncEngineClient(settings, http=http_client), tokenizer)
+    # /v1/models and /tokenize go to a replica itself, behind a gateway too when its replicas are given: a gateway
+    # need not relay /tokenize, and a count routed through it would be one more request for it to route
+    asked = None if http_client is None else AsyncEngineClient(
+        EngineSettings(base_url=(config.engines or targets)[0], timeout_s=min(5.0, config.engine_timeout_s)),
+        http=http_client)
+    if config.prompt_budget and asked is not None:
+        service.engine_budget = EngineBudget(asked, tokenizer)
         service.answer_reserve_tokens = config.answer_reserve_tokens
-    finder_client = None  # asks a replica itself (behind a gateway too: a gateway need not relay /tokenize)
-    if config.tokenizer == AUTO_TOKENIZER and http_client is not None and (config.prompt_budget or config.kv_events):
-        settings = EngineSettings(base_url=(config.engines or targets)[0], timeout_s=min(5.0, config.engine_timeout_s))
-        finder_client = AsyncEngineClient(settings, http=http_client)
+    finder_client = None
+    if config.tokenizer == AUTO_TOKENIZER and asked is not None and (config.prompt_budget or config.kv_events):
+        finder_client = asked
 
     @contextlib.asynccontextmanager
     async def lifespan(_: Any) -> AsyncIterator[None]:

@@ -115,3 +115,16 @@ def test_the_planning_budget_scales_by_the_largest_ratio_once_learnt() -> None:
     budget.learn("m", 2000, 1200)  # the largest ratio seen: 0.6
     assert budget.planning_budget("m", 1000) == int(1000 / 0.6 * 0.97)
     assert budget.should_count("m", 801, 1000) and not budget.should_count("m", 799, 1000)  # never assumes < 1
+
+
+async def test_behind_a_gateway_the_budget_asks_a_replica_itself_when_the_replicas_are_given() -> None:
+    from cpmemory.routing.transport import HttpxChatTransport
+    from cpmemory.server.app import ServerConfig, create_app
+
+    transport = HttpxChatTransport()
+    behind = create_app(ServerConfig(upstream="http://gateway:8000", engines=["http://e0:8000", "http://e1:8000"]),
+                        transport=transport)
+    assert behind.state.service.engine_budget.client.base_url == "http://e0:8000"  # not one more request to route
+    alone = create_app(ServerConfig(upstream="http://gateway:8000"), transport=transport)
+    assert alone.state.service.engine_budget.client.base_url == "http://gateway:8000"
+    await transport.aclose()
