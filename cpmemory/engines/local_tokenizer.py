@@ -19,6 +19,7 @@ import asyncio
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from cpmemory.engines.openai_wire import model_entry
 from cpmemory.errors import EngineError, InvalidInputError, MissingDependencyError
 
 PROBE: tuple[dict[str, str], ...] = (
@@ -74,10 +75,7 @@ async def discover(client: Any, model: str | None = None) -> tuple[LocalTokenize
     machine, or an id in the local Hugging Face cache) and its chat tokenization of :data:`PROBE` equals the engine's
     ``POST /tokenize``, it is the engine's tokenizer. Raises EngineError when the engine did not answer (try later).
     """
-    payload = await client.models()
-    entries = payload.get("data") if isinstance(payload, Mapping) else None
-    entries = [entry for entry in entries if isinstance(entry, Mapping)] if isinstance(entries, list) else []
-    chosen = next((entry for entry in entries if entry.get("id") == model), entries[0] if entries else None)
+    chosen = model_entry(await client.models(), model)
     root = chosen.get("root") if chosen is not None else None
     if chosen is None or not isinstance(root, str) or not root:
         return None, "the engine names no model root in /v1/models"

@@ -221,6 +221,16 @@ def parse_chat_response(payload: Any, *, request_id: str, total_s: float) -> Cha
                       response_id=payload.get("id"))
 
 
+def model_entry(payload: Any, model: str | None) -> Mapping[str, Any] | None:
+    """The entry of ``model`` in a ``GET /v1/models`` answer (the first entry when no id matches; None when there is
+    none). Pure."""
+    entries = payload.get("data") if isinstance(payload, Mapping) else None
+    if not isinstance(entries, list):
+        return None
+    entries = [entry for entry in entries if isinstance(entry, Mapping)]
+    return next((entry for entry in entries if entry.get("id") == model), entries[0] if entries else None)
+
+
 def parse_tokenize(payload: Any) -> list[int]:
     """Token ids from a ``/tokenize`` answer. Raises EngineError when malformed."""
     tokens = payload.get("tokens") if isinstance(payload, dict) else None

@@ -167,9 +167,8 @@ def create_app(
     if config.prompt_budget and asked is not None:
         service.engine_budget = EngineBudget(asked, tokenizer)
         service.answer_reserve_tokens = config.answer_reserve_tokens
-    finder_client = None
-    if config.tokenizer == AUTO_TOKENIZER and asked is not None and (config.prompt_budget or config.kv_events):
-        finder_client = asked
+    find_tokenizer = config.tokenizer == AUTO_TOKENIZER and asked is not None and bool(
+        config.prompt_budget or config.kv_events)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: Any) -> AsyncIterator[None]:
@@ -186,7 +185,7 @@ def create_app(
                 event_view = EventPrefixView(len(config.engines))
             service.kv_sync = KVSyncHub(service.memory, config.engines, config.kv_events, event_view, tokenizer)
             await service.kv_sync.start()
-        finder = None if finder_client is None else asyncio.create_task(adopt_engine_tokenizer(service, finder_client))
+        finder = asyncio.create_task(adopt_engine_tokenizer(service, asked)) if find_tokenizer else None
         try:
             yield
         finally:

@@ -23,6 +23,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from cpmemory.engines.openai_wire import model_entry
+
 logger = logging.getLogger(__name__)
 
 MAX_REPLANS = 3
@@ -62,11 +64,8 @@ def requested_answer_tokens(request: Any, default: int) -> int:
 
 def model_len(payload: Any, model: str) -> int | None:
     """``max_model_len`` of ``model`` in a ``/v1/models`` answer (the first entry when no id matches)."""
-    entries = payload.get("data") if isinstance(payload, Mapping) else None
-    if not isinstance(entries, list) or not entries:
-        return None
-    chosen = next((e for e in entries if isinstance(e, Mapping) and e.get("id") == model), entries[0])
-    value = chosen.get("max_model_len") if isinstance(chosen, Mapping) else None
+    chosen = model_entry(payload, model)
+    value = chosen.get("max_model_len") if chosen is not None else None
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 

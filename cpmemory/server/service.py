@@ -477,9 +477,9 @@ class ProxyService:
     ) -> None:
         started = time.perf_counter()
         if prepared is not None:
-            if collector.complete and opened.registration is not None:
-                self._learn_tokens(opened.registration.payload.get("model"), prepared, collector.usage)
             if collector.complete:
+                if opened.registration is not None:
+                    self._learn_tokens(opened.registration.payload.get("model"), prepared, collector.usage)
                 if await self.commit(prepared, collector.answer) and opened.registration is not None:
                     self._register(opened.decision.index, opened.registration)
             else:
