@@ -95,7 +95,8 @@ async def strategy_client(name: str, settings: ServeSettings, system_prompt: str
         client: Any = DirectClient(urls, model=settings.model, max_tokens=settings.max_tokens,
                                    timeout_s=settings.engine_timeout_s, system_prompt=system_prompt,
                                    failover=settings.upstream is None,
-                                   name_sessions=settings.upstream_session and settings.upstream is not None)
+                                   name_sessions=settings.upstream_session and settings.upstream is not None,
+                                   policy="session" if settings.original_routing == "session" else "affinity")
         try:
             yield client
         finally:
@@ -188,13 +189,26 @@ def report_json(trace: Trace, settings: ServeSettings, runs: dict[str, StrategyR
     throughput = None
     if original and ours and original["throughput_rps"]:
         throughput = round(ours["throughput_rps"] / original["throughput_rps"], 3)
+    details = {name: run.details() for name, run in runs.items()}
     return {
         "strategies": strategies, "ttft_mean_speedup": speedup, "throughput_speedup": throughput,
+        "engine_ttft_mean_speedup": _engine_ttft_speedup(details),
         "workload": trace.name, "multi_turn": trace.multi_turn, "sessions": sessions,
         "settings": settings.model_dump(mode="json"), "engines": engines,
-        "details": {name: {**run.details(), **({"by_turn": run.by_turn()} if trace.multi_turn else {})}
+        "details": {name: {**details[name], **({"by_turn": run.by_turn()} if trace.multi_turn else {})}
                     for name, run in runs.items()},
     }
+
+
+def _engine_ttft_speedup(details: dict[str, dict[str, Any]]) -> float | None:
+    """original / cpmemory of vLLM's own mean TTFT (``vllm:time_to_first_token_seconds``: from the request's
+    arrival at the engine, so without the proxy's hop and cache-fit admission's waits); None when not scraped."""
+    def engine_ttft(name: str) -> float | None:
+        engine = (details.get(name) or {}).get("engine") or {}
+        return engine.get("ttft_mean_ms") or None
+
+    original, ours = engine_ttft("original"), engine_ttft("cpmemory")
+    return round(original / ours, 3) if original and ours else None
 
 
 # ---------------------------------------------------------------- report
@@ -218,7 +232,9 @@ def print_table(report: dict[str, Any], console: Any) -> None:
     kv = ", ".join(f"{e['kv_cache_tokens']:,}" if e.get("kv_cache_tokens") else "?" for e in report["engines"])
     sets = ", ".join(f"{n} {d['working_set_tokens']:,} (peak {d['peak_working_set_tokens']:,})"
                      for n, d in report["details"].items())
-    table.caption = (f"TTFT mean speed-up x{report['ttft_mean_speedup']}, throughput x{report['throughput_speedup']}; "
+    engine = f" (vLLM's own TTFT x{report['engine_ttft_mean_speedup']})" if report.get("engine_ttft_mean_speedup") else ""
+    table.caption = (f"TTFT mean speed-up x{report['ttft_mean_speedup']}{engine}, "
+                     f"throughput x{report['throughput_speedup']}; "
                      f"KV cache per engine {kv} tokens; working set (tokens) {sets}")
     console.print(table)
     for name, details in report["details"].items():
@@ -235,6 +251,7 @@ def _ms(value: float | None) -> str:
 def sweep_rows(reports: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One row per rate of a sweep: the rate, both speed-ups and each strategy's exact figures."""
     return [{"rate": one["settings"]["rate"], "ttft_mean_speedup": one["ttft_mean_speedup"],
+             "engine_ttft_mean_speedup": one.get("engine_ttft_mean_speedup"),
              "throughput_speedup": one["throughput_speedup"], "strategies": one["strategies"]} for one in reports]
 
 
@@ -322,6 +339,10 @@ def command(
         False, "--upstream-session", help="Both strategies name each conversation to --upstream (session_params)."),
     cache_salt: bool = typer.Option(True, "--cache-salt/--no-cache-salt",
                                     help="The proxy's tenant cache salts (serve --no-cache-salt)."),
+    original_routing: str = typer.Option(
+        "session", "--original-routing",
+        help="original's conversation affinity: session (first turn to the least loaded replica, then sticky) or "
+             "hash (rendezvous hash of the conversation id)."),
     concurrency: int = typer.Option(DEFAULT_CONCURRENCY, "--concurrency", min=1, help="Concurrent clients."),
     rate: Annotated[list[float] | None, typer.Option(
         "--rate", min=0.001, help="Poisson arrivals per second instead (repeat for a sweep: one run per rate).")] = None,
@@ -349,7 +370,7 @@ def command(
         trace = _load(trace_file, workload, data_dir, multi_turn)
         settings = ServeSettings(
             engines=tuple(engine), upstream=upstream, proxy=proxy, kv_events=tuple(kv_events or ()), tokenizer=tokenizer,
-            cache_salt=cache_salt, upstream_session=upstream_session,
+            cache_salt=cache_salt, upstream_session=upstream_session, original_routing=original_routing,
             concurrency=concurrency, rate=min(rate) if rate else None, requests=requests, max_turns=max_turns, max_tokens=max_tokens,
             timeout_s=timeout, engine_timeout_s=engine_timeout, model=model, seed=seed, rounds=rounds,
             strategies=tuple(s.strip() for s in strategies.split(",") if s.strip()))

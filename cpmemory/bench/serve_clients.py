@@ -2,8 +2,9 @@
 
 * :class:`DirectClient` (strategy ``original``): builds the prompt itself (the replay's block format, relevance order,
   the session's full history: earlier user messages as sent and the engine's answers) and sends it straight to the
-  engines, routed by the same conversation-affinity rendezvous hash and failover loop the proxy uses
-  (:class:`cpmemory.routing.dispatch.Dispatcher`), or to one ``--upstream`` router.
+  engines with conversation affinity: a conversation's first turn to the least loaded replica, its later turns back
+  to that one (the router's ``session`` policy, as vllm-router's session affinity does; the same failover loop the
+  proxy uses, :class:`cpmemory.routing.dispatch.Dispatcher`), or to one ``--upstream`` router.
 * :class:`ProxyClient` (strategy ``cpmemory``): sends only the question and the retrieved blocks to a ``cpmemory
   serve`` proxy (``cpmemory`` extension field); the proxy keeps the history, de-duplicates, orders and routes.
 
@@ -18,7 +19,7 @@ import uuid
 from collections import defaultdict
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from cpmemory.engines.client import StreamAccumulator
 from cpmemory.errors import EngineError
@@ -86,10 +87,11 @@ class DirectClient:
     """Strategy ``original``: full prompts straight to the engines (see the module docstring)."""
 
     def __init__(self, urls: Sequence[str], *, model: str, max_tokens: int, timeout_s: float, system_prompt: str,
-                 failover: bool = True, transport: Any = None, name_sessions: bool = False) -> None:
+                 failover: bool = True, transport: Any = None, name_sessions: bool = False,
+                 policy: Literal["session", "affinity"] = "session") -> None:
         """Wire a conversation-affinity router over ``urls`` (engines, or one upstream router with
         ``failover=False``; ``name_sessions``: each turn names its conversation to it, as the proxy does with
-        ``upstream_session``); no IO."""
+        ``upstream_session``; ``policy``: the router's ``session`` placement or the ``affinity`` hash); no IO."""
         import httpx
 
         from cpmemory.routing.dispatch import Dispatcher
@@ -97,7 +99,7 @@ class DirectClient:
         from cpmemory.routing.transport import HttpxChatTransport
 
         client = httpx.AsyncClient(limits=httpx.Limits(max_connections=1024), transport=transport)
-        router = Router(list(urls), RouterConfig(policy="affinity"))
+        router = Router(list(urls), RouterConfig(policy=policy))
         self.failures: list[str] = []  # why a replica was failed over (EngineUnreachableError), in order
         self.dispatcher = Dispatcher(router, _FailureLog(HttpxChatTransport(client), self.failures),
                                      timeout_s=timeout_s, failover=failover)
@@ -116,6 +118,7 @@ class DirectClient:
     async def send(self, conversation: str, blocks: Sequence[Any], query: str, multi_turn: bool) -> Sent:
         """Send one turn; on success the user message and the engine's answer join the history."""
         from cpmemory.engines.openai_wire import session_params
+        from cpmemory.routing.dispatch import RouteHint
         from cpmemory.routing.router import conversation_affinity_key
 
         messages = self.messages(conversation, blocks, query, multi_turn)
@@ -125,7 +128,8 @@ class DirectClient:
                    "stream_options": {"include_usage": True}, **sampling(self.max_tokens),
                    **({"session_params": session_params(key)} if self.name_sessions else {})}
         started = time.perf_counter()
-        opened = await self.dispatcher.open_stream(key, payload, {"X-Request-Id": request_id})
+        opened = await self.dispatcher.open_stream(key, payload, {"X-Request-Id": request_id},
+                                                   RouteHint(sticky=multi_turn))
         try:
             accumulator = await read_stream(opened.stream.aiter_bytes(), started)
         finally:

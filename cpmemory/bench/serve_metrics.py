@@ -128,7 +128,8 @@ def engine_summary(raw: Mapping[str, float] | None) -> dict[str, Any] | None:
 
 def proxy_summary(raw: Mapping[str, float] | None) -> dict[str, Any] | None:
     """Route decisions by reason, fallbacks by kind, mean overhead (ms), KV-sync failures (registrations and
-    routing tokenizations), cache-fit admissions by reason with their mean wait (ms), and behind a gateway the turns
+    routing tokenizations), cache-fit admissions by reason with their mean wait (ms, over the turns that waited) and
+    the waits per request (ms, over every request: what admission adds to the mean TTFT), and behind a gateway the turns
     attributed to each replica by its KV events (``unknown``: none stood out), and whether prompts were tokenized
     in the proxy by the end (``local_tokenizer``), from a proxy delta."""
     if raw is None:
@@ -144,5 +145,6 @@ def proxy_summary(raw: Mapping[str, float] | None) -> dict[str, Any] | None:
             "fit_admissions": {key: value for key, value in grouped("fit_").items() if key not in ("wait_s", "waits")},
             "fit_wait_mean_ms": round(1000.0 * raw.get("fit_wait_s", 0.0) / raw["fit_waits"], 1)
             if raw.get("fit_waits") else None,
+            "fit_wait_per_request_ms": round(1000.0 * raw.get("fit_wait_s", 0.0) / count, 1) if count else None,
             "gateway_attributions": grouped("served_on_"),
             "local_tokenizer": bool(raw.get("local_tokenizer"))}

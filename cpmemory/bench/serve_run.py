@@ -22,7 +22,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -47,6 +47,8 @@ class ServeSettings(BaseModel):
     proxy: str | None = Field(None, description="a running cpmemory proxy; None starts one in this process")
     kv_events: tuple[str, ...] = Field((), description="KV-event endpoint per engine, for the in-process proxy")
     upstream_session: bool = Field(False, description="both strategies name each conversation to --upstream")
+    original_routing: Literal["session", "hash"] = Field(
+        "session", description="original's conversation affinity: least loaded then sticky, or rendezvous hash")
     cache_salt: bool = Field(True, description="the in-process proxy sends tenant cache salts (serve --no-cache-salt)")
     tokenizer: str | None = Field(None, description="the in-process proxy's local tokenizer (cpmemory serve --tokenizer)")
     concurrency: int = Field(8, ge=1, le=4096)

@@ -14,6 +14,11 @@ when the preferred replica has more than ``balance_abs_threshold`` requests abov
 ``balance_rel_threshold`` times its load, the call goes to the least loaded replica instead (cache affinity is given up
 only when the imbalance would cost more than the cache saves).
 
+Session routing (``policy="session"``, what vllm-router's session affinity and most gateways do): a key's first call
+goes to the least loaded replica (fewest in flight, then fewest sent), its sticky calls back to that replica (unless it is down
+or overloaded). Unlike the hash, the placement follows the load, so a few long conversations cannot all land on one
+replica by the luck of their ids.
+
 Prefix-aware routing (``policy="prefix"``, the default, when the caller passes the prompt's blocks and the router has
 a :class:`~cpmemory.routing.prefix.PrefixView`): a request that carries no conversation history goes to the replica
 with the best score (cached share of the prompt, in-flight requests, KV utilisation; see ``routing.prefix``) among
@@ -53,8 +58,9 @@ class RouterConfig(BaseModel):
     balance_abs_threshold: int = Field(default=32, ge=0, description="in-flight gap that allows a load fallback")
     balance_rel_threshold: float = Field(default=1.5, ge=1.0, description="load ratio that allows a load fallback")
     probe_interval_s: float = Field(default=2.0, gt=0, description="how often down replicas are probed")
-    policy: Literal["prefix", "affinity"] = Field(
-        default="prefix", description="prefix: score by cached prefix and load; affinity: rendezvous of the key only")
+    policy: Literal["prefix", "affinity", "session"] = Field(
+        default="prefix", description="prefix: score by cached prefix and load; affinity: rendezvous of the key "
+                                      "only; session: least loaded first, then sticky")
     prefix_weight: float = Field(default=2.0, ge=0, description="weight of the cached share of the prompt")
     queue_weight: float = Field(default=0.25, ge=0, description="weight of in-flight requests (over the busiest)")
     kv_weight: float = Field(default=1.0, ge=0, description="weight of the replica's KV-cache utilisation")
@@ -203,6 +209,8 @@ class Router:
         if not usable:
             raise NoHealthyReplicaError(f"no healthy engine replica among {len(ranked)} (excluded {len(excluded)})")
         least = min(usable, key=lambda state: state.in_flight)  # min keeps the first (best ranked) on ties
+        if self.config.policy == "session":
+            return self._choose_by_session(key, usable, least, sticky)
         if self.view is None or self.config.policy == "affinity":
             return self._choose_by_key(usable, least, ranked[0])
         remembered = self._sticky.get(key) if sticky else None
@@ -241,6 +249,23 @@ class Router:
             return None
         least = min((state.in_flight for state in self._replicas if state.healthy), default=0)
         return None if self._overloaded(self._replicas[remembered].in_flight, least) else remembered
+
+    def _choose_by_session(self, key: str, usable: list[_ReplicaState], least: _ReplicaState, sticky: bool
+                           ) -> RouteDecision:
+        """The key's remembered replica for a sticky call (while usable and not overloaded), else the least loaded
+        (fewest in flight, then fewest requests so far, then rendezvous rank)."""
+        remembered = self._sticky.get(key) if sticky else None
+        reason: RouteReason = "cold"
+        if remembered is not None:
+            state = self._replicas[remembered]
+            if state not in usable:
+                reason = "failover"
+            elif not self._overloaded(state.in_flight, least.in_flight):
+                return RouteDecision(state.url, remembered, "affinity")
+            else:
+                reason = "load"
+        least = min(usable, key=lambda state: (state.in_flight, state.requests))
+        return RouteDecision(least.url, self._by_url[least.url], reason)
 
     def _choose_by_key(self, usable: list[_ReplicaState], least: _ReplicaState, first: str) -> RouteDecision:
         preferred = usable[0]

@@ -335,9 +335,9 @@ def build_tokenizer(config: ServerConfig) -> Any:
 def build_view(config: ServerConfig) -> PrefixView | None:
     """The router's view of the replicas' caches: their KV events when given, else what was sent where.
 
-    None behind a gateway (it routes) or with the ``affinity`` policy.
+    None behind a gateway (it routes) or with the ``affinity`` or ``session`` policy (keys and load decide).
     """
-    if config.upstream is not None or config.router.policy == "affinity":
+    if config.upstream is not None or config.router.policy in ("affinity", "session"):
         return None
     if config.kv_events:
         return EventPrefixView(len(config.engines))

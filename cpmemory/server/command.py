@@ -63,7 +63,7 @@ def command(
     upstream: str | None = typer.Option(
         None, "--upstream", help="A gateway (vllm-router, llm-d, SGLang router) that picks the replica."),
     router_policy: str = typer.Option(_ROUTER_FIELDS["policy"].default, "--router",
-                                      help="prefix (cached prefix + load) or affinity."),
+                                      help="prefix (cached prefix + load), affinity (hash of the conversation) or session (least loaded, then sticky)."),
     replica_cache_tokens: int = typer.Option(
         _FIELDS["replica_cache_tokens"].default, "--replica-cache-tokens",
         help="Each replica's cache size in tokens, for the router's view when the engines publish no KV events."),
@@ -134,8 +134,8 @@ def command(
         raise typer.BadParameter("give --engine URL (repeatable) or --upstream URL")
     if kv_events and len(kv_events) != len(engine):
         raise typer.BadParameter("give one --kv-events endpoint per --engine, in the same order")
-    if router_policy not in ("prefix", "affinity"):
-        raise typer.BadParameter("--router must be prefix or affinity")
+    if router_policy not in ("prefix", "affinity", "session"):
+        raise typer.BadParameter("--router must be prefix, affinity or session")
     redis_config = SERVER_REDIS.model_copy(update={"prefix": redis_prefix, "socket_timeout_s": redis_timeout,
                                                    "connect_timeout_s": redis_timeout})
     try:

@@ -95,7 +95,7 @@ class ServerConfig(BaseModel):
     fit: bool = True
     fit_fill: float = Field(default=0.9, gt=0, le=1)
     fit_idle_ms: float = Field(default=500.0, ge=0, le=600_000)
-    fit_first_idle_ms: float = Field(default=100.0, ge=0, le=600_000)
+    fit_first_idle_ms: float = Field(default=500.0, ge=0, le=600_000)
     fit_grace_ms: float = Field(default=100.0, ge=0, le=600_000)
     fit_max_wait_s: float = Field(default=30.0, gt=0, le=3600)
 

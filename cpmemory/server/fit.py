@@ -130,7 +130,7 @@ class CacheFit:
         *,
         fill: float = 0.9,
         idle_s: float = 0.5,
-        first_idle_s: float = 0.1,
+        first_idle_s: float = 0.5,
         grace_s: float = 0.1,
         max_wait_s: float = 30.0,
         clock: Callable[[], float] = time.monotonic,

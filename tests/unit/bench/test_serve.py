@@ -131,8 +131,17 @@ def test_report_speedup_and_exact_strategy_keys():
     report = report_json(trace, settings_of(), {"original": run("original", 300.0), "cpmemory": run("cpmemory", 100.0)},
                          [], 1)
     assert report["ttft_mean_speedup"] == 3.0
+    assert report["engine_ttft_mean_speedup"] is None  # no engine counters scraped
     assert all(tuple(s) == FIGURES for s in report["strategies"].values())
     json.dumps(report)
+    original, ours = run("original", 300.0), run("cpmemory", 100.0)
+    original.engine_raw = {"ttft_s": 16.0, "requests": 64.0}  # vLLM's own TTFT: 250 ms against 125 ms
+    ours.engine_raw = {"ttft_s": 8.0, "requests": 64.0}
+    ours.proxy_raw = {"overhead_count": 64.0, "overhead_s": 1.28, "fit_wait_s": 3.2, "fit_waits": 4.0}
+    report = report_json(trace, settings_of(), {"original": original, "cpmemory": ours}, [], 1)
+    assert report["engine_ttft_mean_speedup"] == 2.0
+    proxy = report["details"]["cpmemory"]["proxy"]
+    assert (proxy["fit_wait_mean_ms"], proxy["fit_wait_per_request_ms"], proxy["overhead_mean_ms"]) == (800.0, 50.0, 20.0)
 
 
 async def _chunks(parts):
@@ -260,7 +269,8 @@ cpmemory_local_tokenizer 1.0
     summary = proxy_summary(delta({}, after))
     assert summary == {"route_reasons": {"affinity": 8, "cold": 2}, "fallbacks": {"route_tokenize": 1},
                        "overhead_mean_ms": 50.0, "kv_sync_failures": 1, "fit_admissions": {"live": 7, "room": 3},
-                       "fit_wait_mean_ms": 500.0, "gateway_attributions": {"0": 4, "unknown": 2},
+                       "fit_wait_mean_ms": 500.0, "fit_wait_per_request_ms": 150.0,
+                       "gateway_attributions": {"0": 4, "unknown": 2},
                        "local_tokenizer": True}
     # a state, not a counter: found before the run (1 before and after) is still found
     assert proxy_summary(delta(after, after))["local_tokenizer"] is True
@@ -294,3 +304,30 @@ async def test_the_bench_proxy_has_the_prompt_budget_and_finds_the_engines_token
     assert recording.client is inner.client
     assert app.state.service.engine_budget is not None
     await inner.aclose()
+
+
+@pytest.mark.parametrize("policy", ["session", "affinity"])
+async def test_the_original_keeps_each_conversation_on_one_replica_and_session_deals_them_evenly(policy):
+    """The original baseline's conversation affinity: every turn of a conversation on one replica; with ``session``
+    (the default) eight conversations started together land 4:4 whatever their ids hash to."""
+    from cpmemory.bench.serve_clients import DirectClient
+    from cpmemory.core.blocks import Block
+    from cpmemory.testing.fleet import MockFleet
+
+    fleet = MockFleet(2)
+    client = DirectClient(fleet.urls, model="tiny", max_tokens=4, timeout_s=10.0, system_prompt="Answer.",
+                          transport=fleet.async_transport(), policy=policy)
+    try:
+        block = (Block("d", "a passage"),)
+        replicas: dict[str, set[int]] = defaultdict(set)
+        for turn in range(3):
+            sent = await asyncio.gather(*(client.send(f"c{i}", block, f"question {turn}", True) for i in range(8)))
+            for index, one in enumerate(sent):
+                replicas[f"c{index}"].add(one.replica)
+        assert all(len(used) == 1 for used in replicas.values())  # sticky
+        firsts = [next(iter(used)) for used in replicas.values()]
+        if policy == "session":
+            assert sorted(firsts.count(replica) for replica in (0, 1)) == [4, 4]
+        assert len(client.history["c0"]) == 6  # three user turns and three answers
+    finally:
+        await client.aclose()

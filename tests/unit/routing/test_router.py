@@ -130,3 +130,44 @@ def test_choice_is_always_a_usable_replica(key: str, down: set[int], excluded: s
     assert decision.url in usable and URLS[decision.index] == decision.url
     if decision.reason == "load":
         assert loads[decision.index] == min(loads[URLS.index(url)] for url in usable)
+
+
+def test_session_policy_places_first_calls_by_load_and_keeps_later_ones_sticky() -> None:
+    router = Router(URLS[:2], RouterConfig(policy="session"))
+    keys = [conversation_affinity_key("t", f"s{i}") for i in range(8)]
+    placed = {}
+    for key in keys:  # eight conversations start together: each first call goes where fewest are in flight
+        decision = router.choose(key, sticky=True)
+        assert decision.reason == "cold"
+        router.begin(decision.url)
+        router.record(key, decision, sticky=True)
+        placed[key] = decision.url
+    assert Counter(placed.values()) == {URLS[0]: 4, URLS[1]: 4}  # a hash deals 8 keys 4:4 only by luck
+    for url in URLS[:2]:
+        for _ in range(4):
+            router.end(url)
+    for _ in range(3):
+        router.begin(URLS[0])  # the later turns stay on their replica although it is busier
+    for key in keys:
+        again = router.choose(key, sticky=True)
+        assert (again.url, again.reason) == (placed[key], "affinity")
+    new = router.choose(conversation_affinity_key("t", "new"), sticky=True)
+    assert (new.url, new.reason) == (URLS[1], "cold")
+
+
+def test_session_policy_fails_over_and_sheds_an_overloaded_replica() -> None:
+    router = Router(URLS[:2], RouterConfig(policy="session", balance_abs_threshold=2, balance_rel_threshold=1.5))
+    key = conversation_affinity_key("t", "a")
+    first = router.choose(key, sticky=True)
+    router.record(key, first, sticky=True)
+    other = next(url for url in URLS[:2] if url != first.url)
+    router.mark_down(first.url)
+    moved = router.choose(key, sticky=True)
+    assert (moved.url, moved.reason) == (other, "failover")
+    router.mark_up(first.url)
+    for _ in range(4):
+        router.begin(first.url)  # 4 in flight against 0: past both thresholds
+    shed = router.choose(key, sticky=True)
+    assert (shed.url, shed.reason) == (other, "load")
+    unsticky = router.choose(key)  # not sticky: a first call, by load
+    assert (unsticky.url, unsticky.reason) == (other, "cold")

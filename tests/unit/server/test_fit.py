@@ -269,3 +269,25 @@ def test_a_turn_that_reached_the_proxy_keeps_its_conversation_live_while_it_is_p
         assert (await fit.admit("a", chars(900), 0, [0])).reason == "room"
 
     asyncio.run(main())
+
+
+def test_with_the_proxy_defaults_a_second_turn_a_few_hundred_ms_late_is_still_live() -> None:
+    """A client's turnaround on a loaded machine (p90 143 ms measured, 254 ms at most) must not make its
+    conversation a new one that has to find room again (what the 100 ms first-turn window did)."""
+    from cpmemory.server.config import ServerConfig
+
+    config = ServerConfig(engines=["http://127.0.0.1:1"])
+
+    async def main() -> None:
+        fit = CacheFit([1000], fill=1.0, idle_s=config.fit_idle_ms / 1000, grace_s=10.0,
+                       first_idle_s=config.fit_first_idle_ms / 1000)
+        first = await fit.admit("a", chars(500), 0, [0], history=False)
+        first.end(0, 500, 0)
+        other = await fit.admit("b", chars(600), 0, [0], history=False)  # fills the cache with a
+        await asyncio.sleep(0.3)
+        fit.touch("a")
+        second = await asyncio.wait_for(fit.admit("a", chars(600), 0, [0]), 1.0)
+        assert (second.reason, second.waited_s) == ("live", 0.0)
+        other.end(0, 600, 0)
+
+    asyncio.run(main())

@@ -224,3 +224,24 @@ async def test_overloaded_replica_sheds_to_the_least_loaded(make_proxy) -> None:
     # the conversation now follows the replica that holds its latest history (where turn 2 went)
     assert back.json()["cpmemory"]["replica"] == shed.json()["cpmemory"]["replica"]
     assert back.json()["cpmemory"]["route_reason"] == "affinity"
+
+
+async def test_the_session_policy_places_new_conversations_by_load_and_keeps_their_turns(make_proxy) -> None:
+    from cpmemory.routing.router import RouterConfig
+
+    proxy = make_proxy(router=RouterConfig(policy="session"))
+    router = proxy.service.dispatcher.router
+    home = {}
+    for conversation in ("a", "b", "c", "d"):
+        reply = await proxy.client.post("/v1/chat/completions", json=turn_body(conversation, "q1", BLOCKS_1))
+        home[conversation] = reply.json()["cpmemory"]["replica"]
+        assert reply.json()["cpmemory"]["route_reason"] == "cold"
+    assert sorted(home.values()) == [0, 0, 1, 1]  # by requests sent: a hash deals four ids 2:2 only by luck
+    router.begin(router.urls[home["a"]])  # a's replica is now the busier: a's next turn still goes there
+    for conversation in ("a", "b", "c", "d"):
+        reply = await proxy.client.post("/v1/chat/completions", json=turn_body(conversation, "q2", BLOCKS_1))
+        assert reply.json()["cpmemory"]["replica"] == home[conversation]
+        assert reply.json()["cpmemory"]["route_reason"] == "affinity"
+    router.end(router.urls[home["a"]])
+    for engine in proxy.engines:
+        assert all(check_no_loss(BLOCKS_1, request["body"]["messages"]).ok for request in engine.requests)
