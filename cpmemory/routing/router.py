@@ -15,9 +15,9 @@ when the preferred replica has more than ``balance_abs_threshold`` requests abov
 only when the imbalance would cost more than the cache saves).
 
 Session routing (``policy="session"``, what vllm-router's session affinity and most gateways do): a key's first call
-goes to the least loaded replica (fewest in flight, then fewest sent), its sticky calls back to that replica (unless it is down
-or overloaded). Unlike the hash, the placement follows the load, so a few long conversations cannot all land on one
-replica by the luck of their ids.
+goes to the least loaded replica (fewest in flight, then fewest sent), its sticky calls back to that replica (unless
+it is down or overloaded). Unlike the hash, the placement follows the load, so a few long conversations cannot all
+land on one replica by the luck of their ids.
 
 Prefix-aware routing (``policy="prefix"``, the default, when the caller passes the prompt's blocks and the router has
 a :class:`~cpmemory.routing.prefix.PrefixView`): a request that carries no conversation history goes to the replica

@@ -9,8 +9,10 @@ from types import ModuleType
 
 import pytest
 
+from cpmemory.bench.loaders import default_data_dir
+
 ROOT = Path(__file__).resolve().parents[3]
-DATA = ROOT.parent / "shared" / "data"
+DATA = default_data_dir(ROOT)  # ../shared/data beside the checkout, else /work/shared/data (a clone elsewhere, as in CI)
 
 
 def _example(name: str) -> ModuleType:
