@@ -210,7 +210,7 @@ class Router:
             raise NoHealthyReplicaError(f"no healthy engine replica among {len(ranked)} (excluded {len(excluded)})")
         least = min(usable, key=lambda state: state.in_flight)  # min keeps the first (best ranked) on ties
         if self.config.policy == "session":
-            return self._choose_by_session(key, usable, least, sticky)
+            return self._choose_by_session(key, usable, sticky)
         if self.view is None or self.config.policy == "affinity":
             return self._choose_by_key(usable, least, ranked[0])
         remembered = self._sticky.get(key) if sticky else None
@@ -250,10 +250,10 @@ class Router:
         least = min((state.in_flight for state in self._replicas if state.healthy), default=0)
         return None if self._overloaded(self._replicas[remembered].in_flight, least) else remembered
 
-    def _choose_by_session(self, key: str, usable: list[_ReplicaState], least: _ReplicaState, sticky: bool
-                           ) -> RouteDecision:
+    def _choose_by_session(self, key: str, usable: list[_ReplicaState], sticky: bool) -> RouteDecision:
         """The key's remembered replica for a sticky call (while usable and not overloaded), else the least loaded
         (fewest in flight, then fewest requests so far, then rendezvous rank)."""
+        least = min(usable, key=lambda state: (state.in_flight, state.requests))
         remembered = self._sticky.get(key) if sticky else None
         reason: RouteReason = "cold"
         if remembered is not None:
@@ -264,7 +264,6 @@ class Router:
                 return RouteDecision(state.url, remembered, "affinity")
             else:
                 reason = "load"
-        least = min(usable, key=lambda state: (state.in_flight, state.requests))
         return RouteDecision(least.url, self._by_url[least.url], reason)
 
     def _choose_by_key(self, usable: list[_ReplicaState], least: _ReplicaState, first: str) -> RouteDecision:
