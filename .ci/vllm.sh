@@ -15,11 +15,14 @@
 #   .ci/vllm.sh ci-down                       stop the three CI servers
 #
 # The bench replicas, two equal servers for `cpmemory bench serve` and the real-engine tests: cpm-main (port 18100,
-# KV events tcp://127.0.0.1:15600) and cpm-main-2 (port 18101, KV events :15601), each with a 48 MiB KV cache
-# (24,576 tokens, 192 blocks of 128; CPM_VLLM_BENCH_KV_BYTES) and --max-model-len 16384. 2 x 24,576 = 49,152 tokens
-# is 65% of the MT-RAG working set of `bench serve`'s default selection (76,181 tokens: the sum of each of the 11
-# conversations' largest prompt), so the replicas cannot keep every history and the prompts' order and routing show
-# in the cached tokens; these are the URLs the public acceptance check `serve` uses (CPM_VLLM_URL, CPM_VLLM_URL_2).
+# KV events tcp://127.0.0.1:15600) and cpm-main-2 (port 18101, KV events :15601), each with a 34 MiB KV cache
+# (17,408 tokens, 136 blocks of 128; CPM_VLLM_BENCH_KV_BYTES; 32 MiB is refused: vLLM wants a little more than
+# --max-model-len 16384). 2 x 17,408 = 34,816 tokens is 75% of the working set that the MT-RAG selection of
+# `bench serve` keeps live at its default 8 clients (the original's peak, 46,695 tokens: the sum of the latest prompts
+# of the conversations active at one time) and 46% of all of it (76,181: each of the 11 conversations' largest
+# prompt), so the replicas cannot keep every active history and the prompts' order, de-duplication and routing show
+# in the cached tokens (the 48 MiB / 24,576 tokens used before 2026-12-02 held the active histories: 49,152 >
+# 46,695); these are the URLs the public acceptance check `serve` uses (CPM_VLLM_URL, CPM_VLLM_URL_2).
 # The small server cpm-small (port 18102, KV events :15602, a 4 MiB KV cache (15 usable blocks, 1,920 tokens),
 # --max-model-len 1536): evictions come quickly (CPM_VLLM_SMALL_URL).
 #
@@ -28,7 +31,7 @@
 #   CPM_VLLM_MODEL     model directory        (default /root/.cache/cpmemory/tiny-model)
 #   CPM_VLLM_RUN_DIR   PID and log files      (default /tmp/cpmemory-vllm)
 #   CPM_VLLM_KV_BYTES  KV cache size in bytes of `start` (default: VLLM_CPU_KVCACHE_SPACE=1, i.e. 1 GiB)
-#   CPM_VLLM_BENCH_KV_BYTES  KV cache of each bench replica (default 50331648 = 48 MiB = 24,576 tokens)
+#   CPM_VLLM_BENCH_KV_BYTES  KV cache of each bench replica (default 35651584 = 34 MiB = 17,408 tokens)
 #   CPM_VLLM_NICE      niceness of the servers (default 10: the proxy and the clients on the same machine go first)
 #   CPM_VLLM_CPU_BIND  the worker's cores for `start` (VLLM_CPU_OMP_THREADS_BIND; vLLM's default "auto" binds
 #                      every server to the same core); the bench replicas get core 0 and core 1
@@ -165,7 +168,7 @@ cmd_status() {
 }
 
 CI_ENV="$HERE/vllm.env"
-BENCH_KV_BYTES=${CPM_VLLM_BENCH_KV_BYTES:-50331648}
+BENCH_KV_BYTES=${CPM_VLLM_BENCH_KV_BYTES:-35651584}
 
 # Start servers in parallel: each argument is "NAME PORT KVPORT KV_BYTES CPU_BIND [vllm args]"; all or none stay up.
 start_parallel() {

@@ -32,8 +32,9 @@ PROXY_SAMPLES = {
     "cpmemory_kv_sync_failures": "kv_sync_failures",
     "cpmemory_fit_wait_seconds_sum": "fit_wait_s", "cpmemory_fit_wait_seconds_count": "fit_waits",
     "cpmemory_local_tokenizer": "local_tokenizer",
+    "cpmemory_fit_idle_window_seconds": "idle_window_s",
 }
-GAUGES = ("local_tokenizer",)
+GAUGES = ("local_tokenizer", "idle_window_s")
 """Samples that are states, not counters: a delta keeps the later value, pooled rounds the largest."""
 
 PER_ENGINE = ("prefill_s", "queue_s", "computed_tokens")
@@ -129,7 +130,8 @@ def engine_summary(raw: Mapping[str, float] | None) -> dict[str, Any] | None:
 def proxy_summary(raw: Mapping[str, float] | None) -> dict[str, Any] | None:
     """Route decisions by reason, fallbacks by kind, mean overhead (ms), KV-sync failures (registrations and
     routing tokenizations), cache-fit admissions by reason with their mean wait (ms, over the turns that waited) and
-    the waits per request (ms, over every request: what admission adds to the mean TTFT), and behind a gateway the turns
+    the waits per request (ms, over every request: what admission adds to the mean TTFT), the idle window it had learnt by
+    the end (ms, None before it learnt one), and behind a gateway the turns
     attributed to each replica by its KV events (``unknown``: none stood out), and whether prompts were tokenized
     in the proxy by the end (``local_tokenizer``), from a proxy delta."""
     if raw is None:
@@ -147,4 +149,5 @@ def proxy_summary(raw: Mapping[str, float] | None) -> dict[str, Any] | None:
             if raw.get("fit_waits") else None,
             "fit_wait_per_request_ms": round(1000.0 * raw.get("fit_wait_s", 0.0) / count, 1) if count else None,
             "gateway_attributions": grouped("served_on_"),
+            "fit_idle_window_ms": round(1000.0 * raw["idle_window_s"], 1) if raw.get("idle_window_s") else None,
             "local_tokenizer": bool(raw.get("local_tokenizer"))}

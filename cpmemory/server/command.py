@@ -116,7 +116,12 @@ def command(
     fit_max_wait: float = typer.Option(_FIELDS["fit_max_wait_s"].default, "--fit-max-wait",
                                        help="The longest a turn waits for room in a replica's cache, in seconds."),
     fit_idle_ms: float = typer.Option(_FIELDS["fit_idle_ms"].default, "--fit-idle-ms",
-                                      help="A conversation idle this long (milliseconds) stops holding its share."),
+                                      help="A conversation idle this long (milliseconds) stops holding its share "
+                                      "(the longest, with --fit-learn-idle)."),
+    fit_learn_idle: bool = typer.Option(
+        _FIELDS["fit_learn_idle"].default, "--fit-learn-idle/--fit-fixed-idle",
+        help="Shrink the idle window to 1.25 x the longest recent gap between an answer and its conversation's next "
+        "turn (at most --fit-idle-ms), or keep it at --fit-idle-ms."),
     log_level: str = typer.Option("warning", "--log-level", help="uvicorn log level."),
 ) -> None:
     """Start the proxy (blocks until interrupted)."""
@@ -146,7 +151,7 @@ def command(
             engine_timeout_s=engine_timeout, kv_events=kv_events, tokenizer=tokenizer,
             upstream=upstream, router=RouterConfig(policy=router_policy),  # type: ignore[arg-type]
             replica_cache_tokens=replica_cache_tokens, max_in_flight=max_in_flight, hold_ms=hold_ms,
-            fit=fit, fit_fill=fit_fill, fit_max_wait_s=fit_max_wait, fit_idle_ms=fit_idle_ms,
+            fit=fit, fit_fill=fit_fill, fit_max_wait_s=fit_max_wait, fit_idle_ms=fit_idle_ms, fit_learn_idle=fit_learn_idle,
         )
         app = create_app(config)
     except ValidationError as error:

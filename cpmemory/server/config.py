@@ -66,7 +66,10 @@ class ServerConfig(BaseModel):
             conversations it serves fit its KV cache (read from each engine's ``/metrics``, else
             ``replica_cache_tokens`` when given); the others wait, first come first served. Off where no size is known.
         fit_fill: the share of a replica's KV cache the live conversations may take.
-        fit_idle_ms: a conversation with nothing in flight for this long stops holding its share.
+        fit_idle_ms: a conversation with nothing in flight for this long stops holding its share (the longest,
+            with ``fit_learn_idle``).
+        fit_learn_idle: the idle windows shrink to 1.25 times the longest recent gap between a turn's answer and its
+            conversation's next turn (``CacheFit.idle_window_s``); off: always ``fit_idle_ms``.
         fit_first_idle_ms: the same for a conversation that has had one turn so far (a lone question frees it soon).
         fit_grace_ms: a replica with nothing in flight for this long takes the next new conversation anyway.
         fit_max_wait_s: the longest a turn waits for room (then it goes to the router's choice anyway).
@@ -96,6 +99,7 @@ class ServerConfig(BaseModel):
     fit_fill: float = Field(default=0.9, gt=0, le=1)
     fit_idle_ms: float = Field(default=500.0, ge=0, le=600_000)
     fit_first_idle_ms: float = Field(default=500.0, ge=0, le=600_000)
+    fit_learn_idle: bool = True
     fit_grace_ms: float = Field(default=100.0, ge=0, le=600_000)
     fit_max_wait_s: float = Field(default=30.0, gt=0, le=3600)
 

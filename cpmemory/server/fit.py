@@ -44,7 +44,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
@@ -57,6 +57,17 @@ logger = logging.getLogger(__name__)
 DEFAULT_TOKENS_PER_CHAR = 0.25
 """Tokens per character before the first answer's usage is seen (about 4 characters per token)."""
 
+GAP_SAMPLES = 128
+"""Continuation gaps kept (the latest): a turn's end to its conversation's next turn reaching the proxy."""
+GAP_MIN_SAMPLES = 16
+"""Gaps seen before the idle window is learnt from them (``idle_s`` until then)."""
+GAP_MARGIN = 1.25
+"""The learnt window is this times the longest kept gap..."""
+GAP_FLOOR_S = 0.1
+"""... and never shorter than this."""
+ENDED_KEYS = 4096
+"""Conversations whose last turn's end is remembered (to time their next turn, live or not)."""
+
 
 class FitObserver(Protocol):
     """What admission reports (the proxy's metrics implement it)."""
@@ -67,12 +78,18 @@ class FitObserver(Protocol):
     def fit_waiting(self, waiting: int) -> None:
         """The number of turns waiting changed."""
 
+    def fit_idle_window(self, seconds: float) -> None:
+        """The idle window (:meth:`CacheFit.idle_window_s`) after a continuation gap was seen."""
+
 
 class _NullObserver:
     def fit_admitted(self, reason: FitReason, waited_s: float) -> None:
         pass
 
     def fit_waiting(self, waiting: int) -> None:
+        pass
+
+    def fit_idle_window(self, seconds: float) -> None:
         pass
 
 
@@ -135,12 +152,14 @@ class CacheFit:
         max_wait_s: float = 30.0,
         clock: Callable[[], float] = time.monotonic,
         observer: FitObserver | None = None,
+        learn_idle: bool = True,
     ) -> None:
         """``capacities``: each replica's KV cache in tokens (None: unknown, that replica admits everything);
         ``fill``: the share of it the live footprints may take; ``idle_s``: how long a conversation with nothing in
         flight stays live (``first_idle_s`` while it has had one turn: a single question frees its share soon);
         ``grace_s``: a replica with no turn in flight for this long takes the next new conversation even over
-        ``fill`` (it would idle otherwise). No IO."""
+        ``fill`` (it would idle otherwise); ``learn_idle``: the idle windows shrink to what the traffic needs
+        (:meth:`idle_window_s`), ``idle_s`` and ``first_idle_s`` are their longest. No IO."""
         if not 0 < fill <= 1:
             raise ValueError("fill must be in (0, 1]")
         self.capacities = list(capacities)
@@ -156,6 +175,9 @@ class CacheFit:
         self._waiters: deque[_Waiter] = deque()
         self._timer: asyncio.TimerHandle | None = None
         self.tokens_per_char = DEFAULT_TOKENS_PER_CHAR
+        self.learn_idle = learn_idle
+        self._ended: OrderedDict[str, float] = OrderedDict()  # conversation -> when its last turn ended
+        self._gaps: deque[float] = deque(maxlen=GAP_SAMPLES)
 
     @property
     def sized(self) -> bool:
@@ -205,12 +227,32 @@ class CacheFit:
 
     def touch(self, key: str) -> None:
         """Conversation ``key``'s next turn reached the proxy: its idle window restarts, so the time the proxy spends
-        preparing the turn (and tokenizing it) does not make it lose its place before the turn is admitted."""
+        preparing the turn (and tokenizing it) does not make it lose its place before the turn is admitted. The
+        time since its last turn ended is a continuation gap (:meth:`idle_window_s`)."""
+        now = self._clock()
+        ended = self._ended.pop(key, None)
+        if ended is not None and now - ended <= self.idle_s:
+            self._gaps.append(now - ended)
+            self._observer.fit_idle_window(self.idle_window_s())
         live = self._live.get(key)
-        if live is not None and live.idle_since is not None and live.in_flight == 0:
-            now = self._clock()
-            if now - live.idle_since < self._idle_window(live):
-                live.idle_since = now
+        if (live is not None and live.idle_since is not None and live.in_flight == 0
+                and now - live.idle_since < self._idle_window(live)):
+            live.idle_since = now
+
+    def idle_window_s(self) -> float:
+        """How long a conversation with nothing in flight stays live: ``idle_s``, or, learnt (``learn_idle``) once
+        ``GAP_MIN_SAMPLES`` continuation gaps were seen, ``GAP_MARGIN`` times the longest of the latest
+        ``GAP_SAMPLES`` (at least ``GAP_FLOOR_S``, at most ``idle_s``).
+
+        Why. A conversation's share of the cache is held for its next turn during the window, and turns of other
+        conversations that wait for room wait that long after it ended: a window longer than the traffic's gaps
+        is pure waiting. An agent's next turn follows its answer within tens of milliseconds to a few hundred on
+        a loaded machine, a person's seconds later; only gaps up to ``idle_s`` are kept, so a person's turn never
+        stretches the window, and gaps are timed for every conversation whose turn ended (remembered whether or not
+        it is still live), so a window that became too short still sees the longer gaps and grows back."""
+        if not self.learn_idle or len(self._gaps) < GAP_MIN_SAMPLES:
+            return self.idle_s
+        return min(self.idle_s, max(GAP_FLOOR_S, GAP_MARGIN * max(self._gaps)))
 
     def estimate(self, chars: int, answer_tokens: int) -> int:
         """A turn's footprint before the engine counted it: its prompt's characters and its answer's tokens."""
@@ -342,6 +384,10 @@ class CacheFit:
                     self.tokens_per_char += 0.2 * (observed - self.tokens_per_char)
             if live.in_flight == 0:
                 live.idle_since = self._clock()
+                self._ended[slot.key] = live.idle_since
+                self._ended.move_to_end(slot.key)
+                while len(self._ended) > ENDED_KEYS:
+                    self._ended.popitem(last=False)
             if not any(other.in_flight for other in self._live.values() if other.replica == live.replica):
                 self._quiet_since[live.replica] = self._clock()
         self._pump()
@@ -354,7 +400,7 @@ class CacheFit:
             del self._live[key]
 
     def _idle_window(self, live: _Live) -> float:
-        return self.idle_s if live.turns > 1 else self.first_idle_s
+        return min(self.idle_window_s(), self.idle_s if live.turns > 1 else self.first_idle_s)
 
     def _pump(self) -> None:
         """Let the waiters run that may now: a live one once it is resident; new ones first come first served

@@ -85,6 +85,10 @@ class ProxyMetrics:
                                      registry=registry)
         self.fit_wait_seconds = Histogram("cpmemory_fit_wait_seconds", "How long a turn that waited for room waited",
                                           buckets=FIT_BUCKETS, registry=registry)
+        self.fit_idle_window_seconds = Gauge(
+            "cpmemory_fit_idle_window_seconds", "How long a conversation with nothing in flight keeps its share of "
+            "the cache (learnt from the gaps between a turn's answer and the conversation's next turn)",
+            registry=registry)
 
     def _hold_metrics(self, counter: Any, gauge: Any, histogram: Any) -> None:
         """The hold-and-release queue's metrics (cpmemory.server.hold); this object is its observer."""
@@ -115,6 +119,10 @@ class ProxyMetrics:
     def fit_waiting(self, waiting: int) -> None:
         """Turns waiting for room now."""
         self.fit_waiting_now.set(waiting)
+
+    def fit_idle_window(self, seconds: float) -> None:
+        """The idle window cache-fit admission uses now."""
+        self.fit_idle_window_seconds.set(seconds)
 
     # -- HoldObserver (cpmemory.server.hold) ----------------------------------------------------------------
     def held(self, waiting: int) -> None:

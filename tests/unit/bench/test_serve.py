@@ -264,6 +264,7 @@ cpmemory_fit_wait_seconds_count 3.0
 cpmemory_gateway_attributions_total{replica="0"} 4.0
 cpmemory_gateway_attributions_total{replica="unknown"} 2.0
 cpmemory_local_tokenizer 1.0
+cpmemory_fit_idle_window_seconds 0.3125
 """
     after = totals(text, PROXY_SAMPLES)
     summary = proxy_summary(delta({}, after))
@@ -271,9 +272,10 @@ cpmemory_local_tokenizer 1.0
                        "overhead_mean_ms": 50.0, "kv_sync_failures": 1, "fit_admissions": {"live": 7, "room": 3},
                        "fit_wait_mean_ms": 500.0, "fit_wait_per_request_ms": 150.0,
                        "gateway_attributions": {"0": 4, "unknown": 2},
-                       "local_tokenizer": True}
-    # a state, not a counter: found before the run (1 before and after) is still found
+                       "fit_idle_window_ms": 312.5, "local_tokenizer": True}
+    # states, not counters: found before the run (the same before and after) is still found
     assert proxy_summary(delta(after, after))["local_tokenizer"] is True
+    assert proxy_summary(delta(after, after))["fit_idle_window_ms"] == 312.5
 
 
 def test_by_turn_splits_tokens_and_ttft_by_turn_number():

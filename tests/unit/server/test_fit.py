@@ -291,3 +291,74 @@ def test_with_the_proxy_defaults_a_second_turn_a_few_hundred_ms_late_is_still_li
         other.end(0, 600, 0)
 
     asyncio.run(main())
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+async def _continue(fit: CacheFit, clock: _Clock, key: str, gap_s: float) -> None:
+    """One turn of ``key`` answered, then its next turn reaching the proxy ``gap_s`` later."""
+    slot = await fit.admit(key, chars(10), 0, [0])
+    slot.end(0, 10, 0)
+    clock.now += gap_s
+    fit.touch(key)
+
+
+def test_the_idle_window_is_learnt_from_the_gaps_between_an_answer_and_the_next_turn() -> None:
+    from cpmemory.server.fit import GAP_FLOOR_S, GAP_MARGIN, GAP_MIN_SAMPLES
+
+    async def main() -> None:
+        clock = _Clock()
+        fit = CacheFit([100_000], fill=1.0, idle_s=0.5, first_idle_s=0.5, grace_s=10.0, clock=clock)
+        for turn in range(GAP_MIN_SAMPLES - 1):
+            await _continue(fit, clock, f"c{turn}", 0.2)
+        assert fit.idle_window_s() == 0.5  # too few gaps seen: the configured window
+        await _continue(fit, clock, "last", 0.2)
+        assert fit.idle_window_s() == pytest.approx(GAP_MARGIN * 0.2)
+        for turn in range(200):  # only fast agents now: the window follows the latest gaps, down to its floor
+            await _continue(fit, clock, f"fast{turn % 7}", 0.01)
+        assert fit.idle_window_s() == pytest.approx(GAP_FLOOR_S)
+        await _continue(fit, clock, "person", 3.0)  # a person's next turn, seconds later, is no continuation
+        assert fit.idle_window_s() == pytest.approx(GAP_FLOOR_S)
+
+    asyncio.run(main())
+
+
+def test_a_learnt_window_frees_an_idle_share_sooner_and_grows_back_when_longer_gaps_come() -> None:
+    from cpmemory.server.fit import GAP_MARGIN, GAP_MIN_SAMPLES
+
+    async def run(learn_idle: bool) -> CacheFit:
+        clock = _Clock()
+        fit = CacheFit([100_000], fill=1.0, idle_s=0.5, first_idle_s=0.5, grace_s=10.0, clock=clock,
+                       learn_idle=learn_idle)
+        for turn in range(GAP_MIN_SAMPLES):
+            await _continue(fit, clock, f"c{turn % 3}", 0.1)
+        slot = await fit.admit("slow", chars(10), 0, [0])
+        slot.end(0, 10, 0)
+        clock.now += GAP_MARGIN * 0.1 + 0.01  # idle past the learnt window, well within idle_s
+        await fit.admit("other", chars(10), 0, [0], history=False)  # any admission expires the idle ones
+        return fit
+
+    fixed, learnt = asyncio.run(run(False)), asyncio.run(run(True))
+    assert fixed.replica_of("slow") == 0  # still holding its share for 0.5 s
+    assert learnt.replica_of("slow") is None  # its share is free after 0.125 s
+    learnt.touch("slow")  # its next turn came 0.135 s after its answer: timed although it was no longer live
+    assert learnt.idle_window_s() == pytest.approx(GAP_MARGIN * (GAP_MARGIN * 0.1 + 0.01))
+
+
+def test_with_a_fixed_idle_window_the_gaps_change_nothing() -> None:
+    from cpmemory.server.fit import GAP_MIN_SAMPLES
+
+    async def main() -> None:
+        clock = _Clock()
+        fit = CacheFit([100_000], idle_s=0.5, first_idle_s=0.5, clock=clock, learn_idle=False)
+        for turn in range(2 * GAP_MIN_SAMPLES):
+            await _continue(fit, clock, f"c{turn}", 0.01)
+        assert fit.idle_window_s() == 0.5
+
+    asyncio.run(main())
