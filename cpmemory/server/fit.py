@@ -178,6 +178,7 @@ class CacheFit:
         self.learn_idle = learn_idle
         self._ended: OrderedDict[str, float] = OrderedDict()  # conversation -> when its last turn ended
         self._gaps: deque[float] = deque(maxlen=GAP_SAMPLES)
+        self._window_s = idle_s  # idle_window_s, recomputed only when a gap is seen (it is read per live conversation)
 
     @property
     def sized(self) -> bool:
@@ -233,7 +234,9 @@ class CacheFit:
         ended = self._ended.pop(key, None)
         if ended is not None and now - ended <= self.idle_s:
             self._gaps.append(now - ended)
-            self._observer.fit_idle_window(self.idle_window_s())
+            if self.learn_idle and len(self._gaps) >= GAP_MIN_SAMPLES:
+                self._window_s = min(self.idle_s, max(GAP_FLOOR_S, GAP_MARGIN * max(self._gaps)))
+            self._observer.fit_idle_window(self._window_s)
         live = self._live.get(key)
         if (live is not None and live.idle_since is not None and live.in_flight == 0
                 and now - live.idle_since < self._idle_window(live)):
@@ -250,9 +253,7 @@ class CacheFit:
         a loaded machine, a person's seconds later; only gaps up to ``idle_s`` are kept, so a person's turn never
         stretches the window, and gaps are timed for every conversation whose turn ended (remembered whether or not
         it is still live), so a window that became too short still sees the longer gaps and grows back."""
-        if not self.learn_idle or len(self._gaps) < GAP_MIN_SAMPLES:
-            return self.idle_s
-        return min(self.idle_s, max(GAP_FLOOR_S, GAP_MARGIN * max(self._gaps)))
+        return self._window_s
 
     def estimate(self, chars: int, answer_tokens: int) -> int:
         """A turn's footprint before the engine counted it: its prompt's characters and its answer's tokens."""
@@ -386,7 +387,7 @@ class CacheFit:
                 live.idle_since = self._clock()
                 self._ended[slot.key] = live.idle_since
                 self._ended.move_to_end(slot.key)
-                while len(self._ended) > ENDED_KEYS:
+                if len(self._ended) > ENDED_KEYS:
                     self._ended.popitem(last=False)
             if not any(other.in_flight for other in self._live.values() if other.replica == live.replica):
                 self._quiet_since[live.replica] = self._clock()
@@ -400,7 +401,7 @@ class CacheFit:
             del self._live[key]
 
     def _idle_window(self, live: _Live) -> float:
-        return min(self.idle_window_s(), self.idle_s if live.turns > 1 else self.first_idle_s)
+        return min(self._window_s, self.idle_s if live.turns > 1 else self.first_idle_s)
 
     def _pump(self) -> None:
         """Let the waiters run that may now: a live one once it is resident; new ones first come first served
