@@ -71,7 +71,8 @@ class ServerConfig(BaseModel):
         fit_learn_idle: the idle windows shrink to 1.25 times the longest recent gap between a turn's answer and its
             conversation's next turn (``CacheFit.idle_window_s``); off: always ``fit_idle_ms``.
         fit_first_idle_ms: the same for a conversation that has had one turn so far (a lone question frees it soon).
-        fit_grace_ms: a replica with nothing in flight for this long takes the next new conversation anyway.
+        fit_grace_ms: a replica with nothing in flight for this long (and for the idle window) takes the next new
+            conversation anyway.
         fit_max_wait_s: the longest a turn waits for room (then it goes to the router's choice anyway).
     """
 

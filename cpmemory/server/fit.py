@@ -7,6 +7,7 @@ turns wait in the proxy.
     later turn of conversation c
       ├─ c is live on replica r and *resident* there ──────────────────────► r at once            ("live")
       ├─ c is live on r, not resident (the older ones fill the cache) ─► wait until it is ─► r    ("resumed")
+      ├─ c idled out but its next turn came within ``idle_s`` of its last answer: live again, in its old place ─► as above
       └─ c is not live (it idled out, or the proxy restarted): a replica (the router's choice first, then the most room) whose live
          conversations' footprints + c's fit ─► it at once                                       ("room")
          none fits, or other new ones already wait ─► wait (first come first served) ─► it         ("room")
@@ -31,6 +32,10 @@ resident one may stop being resident when an older one grows: its turns then wai
 conversation enters a replica only when every live one there (resident or waiting) plus it fit, so it never overtakes
 a waiting one. A *footprint* is the engine tokens of the conversation's latest prompt plus its answer: the engine's
 usage once a turn is answered, else the prompt's characters times the tokens per character observed so far.
+
+A conversation whose share the learnt window released early (its next turn came later than the window, within
+``idle_s``) takes its old place back when that turn arrives: its history is still in its replica's cache, and
+entering again at the back would make it the one that waits (and loses that history) once the others grow.
 
 A replica whose capacity is unknown admits everything; nobody waits longer than ``max_wait_s`` (the fallback is
 vLLM's own behaviour); a waiter whose client goes away leaves the queue. Admission decides only when and where a turn
@@ -101,6 +106,7 @@ class _Live:
     waiting: int = 0
     idle_since: float | None = None
     turns: int = 0
+    seq: int = 0  # admission order (first admitted turn); kept when an idled-out conversation takes its place back
 
 
 @dataclass(slots=True, eq=False)
@@ -157,8 +163,8 @@ class CacheFit:
         """``capacities``: each replica's KV cache in tokens (None: unknown, that replica admits everything);
         ``fill``: the share of it the live footprints may take; ``idle_s``: how long a conversation with nothing in
         flight stays live (``first_idle_s`` while it has had one turn: a single question frees its share soon);
-        ``grace_s``: a replica with no turn in flight for this long takes the next new conversation even over
-        ``fill`` (it would idle otherwise); ``learn_idle``: the idle windows shrink to what the traffic needs
+        ``grace_s``: a replica with no turn in flight for this long (and at least the idle window,
+        :meth:`_grace`) takes the next new conversation even over ``fill`` (it would idle otherwise); ``learn_idle``: the idle windows shrink to what the traffic needs
         (:meth:`idle_window_s`), ``idle_s`` and ``first_idle_s`` are their longest. No IO."""
         if not 0 < fill <= 1:
             raise ValueError("fill must be in (0, 1]")
@@ -179,6 +185,8 @@ class CacheFit:
         self._ended: OrderedDict[str, float] = OrderedDict()  # conversation -> when its last turn ended
         self._gaps: deque[float] = deque(maxlen=GAP_SAMPLES)
         self._window_s = idle_s  # idle_window_s, recomputed only when a gap is seen (it is read per live conversation)
+        self._expired: OrderedDict[str, _Live] = OrderedDict()  # idled out within idle_s: may take their place back
+        self._seq = 0
 
     @property
     def sized(self) -> bool:
@@ -241,6 +249,12 @@ class CacheFit:
         if (live is not None and live.idle_since is not None and live.in_flight == 0
                 and now - live.idle_since < self._idle_window(live)):
             live.idle_since = now
+        ghost = self._expired.get(key)
+        if ghost is not None and ghost.idle_since is not None:
+            if now - ghost.idle_since <= self.idle_s:
+                ghost.idle_since = now  # a continuation: its place is kept while the turn is prepared
+            else:
+                del self._expired[key]
 
     def idle_window_s(self) -> float:
         """How long a conversation with nothing in flight stays live: ``idle_s``, or, learnt (``learn_idle``) once
@@ -280,6 +294,8 @@ class CacheFit:
         if live is not None and ranked and live.replica not in ranked:  # its replica left rotation: start over
             del self._live[key]
             live = None
+        if live is None:
+            live = self._take_place_back(key, now, ranked)
         if live is not None:
             live.footprint = max(live.footprint, tokens)
             if key in self._resident(live.replica):
@@ -293,6 +309,25 @@ class CacheFit:
         return await self._wait(key, tokens, tuple(order), chars, None)
 
     # -- internals ---------------------------------------------------------------------------------------------
+
+    def _take_place_back(self, key: str, now: float, ranked: Sequence[int]) -> _Live | None:
+        """An idled-out conversation whose next turn came within ``idle_s`` of its last answer is live again, in its
+        old place of the admission order (None: none such, or its replica left rotation)."""
+        ghost = self._expired.pop(key, None)
+        if (ghost is None or ghost.idle_since is None or now - ghost.idle_since > self.idle_s
+                or (ranked and ghost.replica not in ranked)):
+            return None
+        ghost.idle_since = now
+        self._live[key] = ghost
+        if any(other.seq > ghost.seq for other in self._live.values()):
+            self._live = dict(sorted(self._live.items(), key=lambda item: item[1].seq))
+        return ghost
+
+    def _grace(self) -> float:
+        """How long a replica must have been quiet to take a new conversation over ``fill``: ``grace_s``, and never
+        less than the idle window (a replica is quiet between its conversations' turns too: taking a newcomer over
+        the fill then evicts the histories of the turns about to come)."""
+        return max(self.grace_s, self._window_s)
 
     async def _wait(self, key: str, tokens: int, ranked: tuple[int, ...], chars: int, live: _Live | None) -> FitSlot:
         loop = asyncio.get_running_loop()
@@ -339,7 +374,7 @@ class CacheFit:
         now = self._clock()
         for replica in order:
             quiet = self._quiet_since.get(replica)
-            if quiet is not None and now - quiet >= self.grace_s:
+            if quiet is not None and now - quiet >= self._grace():
                 return replica
         return None
 
@@ -360,7 +395,8 @@ class CacheFit:
     def _enter(self, key: str, tokens: int, replica: int, reason: FitReason, waited_s: float, chars: int) -> FitSlot:
         live = self._live.get(key)
         if live is None:
-            live = self._live[key] = _Live(replica, tokens)
+            self._seq += 1
+            live = self._live[key] = _Live(replica, tokens, seq=self._seq)
         live.in_flight += 1
         live.turns += 1
         live.idle_since = None
@@ -398,7 +434,10 @@ class CacheFit:
                 if live.in_flight == 0 and live.waiting == 0 and live.idle_since is not None
                 and now - live.idle_since >= self._idle_window(live)]
         for key in gone:
-            del self._live[key]
+            self._expired[key] = self._live.pop(key)
+            self._expired.move_to_end(key)
+        while len(self._expired) > ENDED_KEYS:
+            self._expired.popitem(last=False)
 
     def _idle_window(self, live: _Live) -> float:
         return min(self._window_s, self.idle_s if live.turns > 1 else self.first_idle_s)
@@ -467,7 +506,8 @@ class CacheFit:
             return
         wakeups = [live.idle_since + self._idle_window(live) for live in self._live.values()
                    if live.in_flight == 0 and live.idle_since is not None]
-        wakeups += [quiet + self.grace_s for quiet in self._quiet_since.values()]
+        grace = self._grace()
+        wakeups += [quiet + grace for quiet in self._quiet_since.values()]
         if not wakeups:
             return
         delay = max(0.0, min(wakeups) - self._clock()) + 0.001

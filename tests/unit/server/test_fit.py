@@ -184,14 +184,77 @@ def test_a_suspended_turn_runs_after_max_wait() -> None:
     asyncio.run(main())
 
 
-def test_a_replica_idle_for_grace_s_takes_the_next_new_conversation_over_the_fill() -> None:
+def test_a_replica_quiet_past_grace_s_and_the_idle_window_takes_the_next_new_conversation_over_the_fill() -> None:
     async def main() -> None:
-        fit = CacheFit([1000], fill=1.0, idle_s=10.0, first_idle_s=10.0, grace_s=0.1)
+        fit = CacheFit([1000], fill=1.0, idle_s=0.6, first_idle_s=0.6, grace_s=0.05)
         a = await fit.admit("a", chars(900), 0, [0])
-        a.end(0, 900, 0)  # a is live (idle_s 10) but nothing is in flight on replica 0
-        b = await asyncio.wait_for(fit.admit("b", chars(900), 0, [0]), 1.0)
-        assert b.reason == "room" and 0.05 <= b.waited_s < 1.0  # woken by the grace, not a's expiry
+        a.end(0, 900, 0)  # nothing in flight on replica 0 from now on
+        await asyncio.sleep(0.2)
+        fit.touch("a")  # a's next turn arrived and is being prepared: a stays live until 0.8 s
+        b = asyncio.ensure_future(fit.admit("b", chars(900), 0, [0]))
+        await asyncio.sleep(0.1)
+        assert not b.done()  # quiet for 0.3 s, past grace_s but within the idle window: a turn may be on its way
+        slot = await asyncio.wait_for(b, 2.0)
+        assert slot.reason == "room" and slot.waited_s < 0.55  # woken by the grace at 0.6 s, not a's expiry
         assert fit.live_conversations(0) == 2
+
+    asyncio.run(main())
+
+
+def test_a_replica_quiet_between_turns_does_not_take_a_new_conversation_over_the_fill() -> None:
+    """A conversation's next turn comes a gap after its answer; a newcomer taken over the fill in that gap would
+    evict the history that turn is about to reuse (measured: a returning conversation taken this way after 100 ms
+    of quiet ran its replica's live turns at 25,000 tokens on a 17,408-token cache)."""
+    async def main() -> None:
+        fit = CacheFit([1000], fill=1.0, idle_s=0.6, first_idle_s=0.6, grace_s=0.05)
+        a = await fit.admit("a", chars(900), 0, [0])
+        a.end(0, 900, 0)
+        b = asyncio.ensure_future(fit.admit("b", chars(900), 0, [0]))
+        await asyncio.sleep(0.2)
+        assert not b.done()  # quiet for three times grace_s, but a's idle window is not over
+        fit.touch("a")
+        again = await fit.admit("a", chars(950), 0, [0])
+        assert (again.reason, again.waited_s) == ("live", 0.0)
+        assert not b.done() and fit.live_conversations(0) == 1
+        b.cancel()
+
+    asyncio.run(main())
+
+
+def test_a_conversation_idled_out_early_takes_its_old_place_back_when_its_next_turn_comes_within_idle_s() -> None:
+    """The learnt window releases an idle share early; a conversation whose next turn was merely slower than the
+    window (within ``idle_s``) is live again ahead of the conversations admitted after it, instead of entering
+    again at the back, where it would be the one to wait (and lose its history) once the others grow."""
+    from cpmemory.server.fit import GAP_MIN_SAMPLES
+
+    async def main() -> None:
+        clock = _Clock()
+        fit = CacheFit([1000, 1000], fill=1.0, idle_s=0.5, first_idle_s=0.5, grace_s=10.0, clock=clock)
+        for turn in range(GAP_MIN_SAMPLES):
+            await _continue(fit, clock, f"c{turn % 3}", 0.1)  # on replica 0: the window is learnt, 0.125 s
+        a = await fit.admit("a", chars(600), 0, [1])
+        b = await fit.admit("b", chars(300), 0, [1])
+        a.end(1, 600, 0)
+        clock.now += 0.15
+        b.end(1, 300, 0)
+        clock.now += 0.01
+        fit.touch("b")
+        b = await fit.admit("b", chars(500), 0, [1])  # b's turn came in time, a's has not: a's share is released
+        assert fit.replica_of("a") is None and b.reason == "live"
+        b.end(1, 500, 0)
+        clock.now += 0.01
+        fit.touch("a")  # 0.17 s after its answer: later than the window, within idle_s
+        again = await fit.admit("a", chars(650), 0, [1, 0])
+        assert (again.replica, again.reason, again.waited_s) == (1, "live", 0.0)  # 650 + 500 > 1000, and a is older
+        again.end(1, 650, 0)
+        fit.touch("b")
+        b_next = asyncio.ensure_future(fit.admit("b", chars(500), 0, [1]))
+        await asyncio.sleep(0)
+        assert not b_next.done()  # b, the younger, waits for a (the clock is stopped: it would wait for ever)
+        b_next.cancel()
+        clock.now += 0.6
+        fit.touch("a")  # beyond idle_s: a person's return, no continuation
+        assert (await fit.admit("a", chars(650), 0, [1, 0])).reason == "room"
 
     asyncio.run(main())
 
