@@ -30,6 +30,7 @@ import typer
 from cpmemory.errors import InvalidInputError, MissingDependencyError
 from cpmemory.routing.router import RouterConfig
 from cpmemory.server.config import SERVER_REDIS, ServerConfig
+from cpmemory.server.fit import GAP_MARGIN
 from cpmemory.stores.redis_store import RedisStoreConfig
 
 
@@ -120,8 +121,8 @@ def command(
                                       "(the longest, with --fit-learn-idle)."),
     fit_learn_idle: bool = typer.Option(
         _FIELDS["fit_learn_idle"].default, "--fit-learn-idle/--fit-fixed-idle",
-        help="Shrink the idle window to 1.25 x the longest recent gap between an answer and its conversation's next "
-        "turn (at most --fit-idle-ms), or keep it at --fit-idle-ms."),
+        help=f"Shrink the idle window to {GAP_MARGIN:g} x the longest recent gap between an answer and its "
+        "conversation's next turn (at most --fit-idle-ms), or keep it at --fit-idle-ms."),
     log_level: str = typer.Option("warning", "--log-level", help="uvicorn log level."),
 ) -> None:
     """Start the proxy (blocks until interrupted)."""

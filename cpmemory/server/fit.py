@@ -164,8 +164,9 @@ class CacheFit:
         ``fill``: the share of it the live footprints may take; ``idle_s``: how long a conversation with nothing in
         flight stays live (``first_idle_s`` while it has had one turn: a single question frees its share soon);
         ``grace_s``: a replica with no turn in flight for this long (and at least the idle window,
-        :meth:`_grace`) takes the next new conversation even over ``fill`` (it would idle otherwise); ``learn_idle``: the idle windows shrink to what the traffic needs
-        (:meth:`idle_window_s`), ``idle_s`` and ``first_idle_s`` are their longest. No IO."""
+        :meth:`_grace`) takes the next new conversation even over ``fill`` (it would idle otherwise);
+        ``learn_idle``: the idle windows shrink to what the traffic needs (:meth:`idle_window_s`), ``idle_s`` and
+        ``first_idle_s`` are their longest. No IO."""
         if not 0 < fill <= 1:
             raise ValueError("fill must be in (0, 1]")
         self.capacities = list(capacities)
@@ -240,7 +241,9 @@ class CacheFit:
         time since its last turn ended is a continuation gap (:meth:`idle_window_s`)."""
         now = self._clock()
         ended = self._ended.pop(key, None)
+        continuation = False  # else a person's return after idle_s, or no turn of it ended before
         if ended is not None and now - ended <= self.idle_s:
+            continuation = True
             self._gaps.append(now - ended)
             if self.learn_idle and len(self._gaps) >= GAP_MIN_SAMPLES:
                 self._window_s = min(self.idle_s, max(GAP_FLOOR_S, GAP_MARGIN * max(self._gaps)))
@@ -249,12 +252,10 @@ class CacheFit:
         if (live is not None and live.idle_since is not None and live.in_flight == 0
                 and now - live.idle_since < self._idle_window(live)):
             live.idle_since = now
-        ghost = self._expired.get(key)
-        if ghost is not None and ghost.idle_since is not None:
-            if now - ghost.idle_since <= self.idle_s:
-                ghost.idle_since = now  # a continuation: its place is kept while the turn is prepared
-            else:
-                del self._expired[key]
+        ghost = self._expired.pop(key, None)
+        if ghost is not None and continuation:  # its place is kept while the turn is prepared (_take_place_back)
+            ghost.idle_since = now
+            self._expired[key] = ghost
 
     def idle_window_s(self) -> float:
         """How long a conversation with nothing in flight stays live: ``idle_s``, or, learnt (``learn_idle``) once
@@ -314,7 +315,7 @@ class CacheFit:
         """An idled-out conversation whose next turn came within ``idle_s`` of its last answer is live again, in its
         old place of the admission order (None: none such, or its replica left rotation)."""
         ghost = self._expired.pop(key, None)
-        if (ghost is None or ghost.idle_since is None or now - ghost.idle_since > self.idle_s
+        if (ghost is None or now - (ghost.idle_since or 0.0) > self.idle_s
                 or (ranked and ghost.replica not in ranked)):
             return None
         ghost.idle_since = now
