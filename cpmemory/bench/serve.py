@@ -47,13 +47,14 @@ DEFAULT_MAX_TURNS = 6
 
 
 @contextlib.asynccontextmanager
-async def in_process_proxy(settings: ServeSettings, cache_tokens: int | None = None, fit: bool = True
-                           ) -> AsyncIterator[tuple[str, Any]]:
+async def in_process_proxy(settings: ServeSettings, cache_tokens: int | None = None, fit: bool = True,
+                           fit_move: bool = True) -> AsyncIterator[tuple[str, Any]]:
     """Serve a ``cpmemory serve`` app on a free loopback port in this event loop; yields (URL, recording transport).
 
     The proxy gets the engines (and ``upstream``, ``kv_events``) of ``settings``; without KV events its router's view
     of what each replica caches assumes ``cache_tokens`` per replica (the engines' own KV cache size when known);
-    ``fit``: cache-fit admission on (the proxy's default) or off.
+    ``fit``: cache-fit admission on (the proxy's default) or off; ``fit_move``: its moves of a conversation that no
+    longer fits its replica (on by default).
     """
     import uvicorn
 
@@ -64,6 +65,7 @@ async def in_process_proxy(settings: ServeSettings, cache_tokens: int | None = N
     recording = RecordingTransport(HttpxChatTransport())
     config = ServerConfig(engines=list(settings.engines), upstream=settings.upstream,
                           kv_events=list(settings.kv_events), engine_timeout_s=settings.engine_timeout_s, fit=fit,
+                          fit_move=fit_move,
                           tokenizer=settings.tokenizer, cache_salt=settings.cache_salt,
                           upstream_session=settings.upstream_session and settings.upstream is not None,
                           **({"replica_cache_tokens": cache_tokens} if cache_tokens else {}))
@@ -110,7 +112,8 @@ async def strategy_client(name: str, settings: ServeSettings, system_prompt: str
         finally:
             await client.aclose()
         return
-    async with in_process_proxy(settings, cache_tokens, fit=name != "cpmemory-nofit") as (url, recording):
+    async with in_process_proxy(settings, cache_tokens, fit=name != "cpmemory-nofit",
+                                fit_move=name != "cpmemory-nomove") as (url, recording):
         client = ProxyClient(url, model=settings.model, max_tokens=settings.max_tokens,
                              timeout_s=settings.timeout_s, recording=recording)
         try:
@@ -351,7 +354,7 @@ def command(
     max_tokens: int = typer.Option(8, "--max-tokens", min=1, help="Tokens generated per request."),
     timeout: float = typer.Option(300.0, "--timeout", min=0.1, help="Deadline of one request (s)."),
     engine_timeout: float = typer.Option(120.0, "--engine-timeout", min=0.1, help="Per-call engine timeout (s)."),
-    strategies: str = typer.Option(",".join(STRATEGIES), "--strategies", help="Comma-separated, in run order (original, cpmemory, cpmemory-nofit: the proxy without cache-fit admission)."),
+    strategies: str = typer.Option(",".join(STRATEGIES), "--strategies", help="Comma-separated, in run order (original, cpmemory, cpmemory-nofit: the proxy without cache-fit admission, cpmemory-nomove: without its moves)."),
     model: str = typer.Option("tiny", "--model", help="Served model name."),
     multi_turn: bool | None = typer.Option(None, "--multi-turn/--independent", help="Override the trace's flag."),
     seed: int = typer.Option(0, "--seed", help="Seed of the Poisson arrivals."),

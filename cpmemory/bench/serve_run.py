@@ -31,8 +31,9 @@ from cpmemory.bench.trace import Trace, TraceRequest
 from cpmemory.errors import InvalidInputError
 
 STRATEGIES = ("original", "cpmemory")
-KNOWN_STRATEGIES = (*STRATEGIES, "cpmemory-nofit")
-"""``cpmemory-nofit``: the in-process proxy with cache-fit admission off (cpmemory.server.fit), for the ablation."""
+KNOWN_STRATEGIES = (*STRATEGIES, "cpmemory-nofit", "cpmemory-nomove")
+"""``cpmemory-nofit``: the in-process proxy with cache-fit admission off (cpmemory.server.fit); ``cpmemory-nomove``:
+admission on without its moves (``CacheFit`` ``move``); both for ablations."""
 FIGURES = ("ttft_mean_ms", "ttft_p50_ms", "ttft_p90_ms", "latency_mean_ms", "throughput_rps", "prompt_tokens_per_s",
            "cached_tokens", "prompt_tokens", "errors", "lost_blocks")
 
@@ -351,5 +352,6 @@ def validate(settings: ServeSettings) -> None:
     unknown = set(settings.strategies) - set(KNOWN_STRATEGIES)
     if unknown or not settings.strategies:
         raise InvalidInputError(f"unknown strategies {sorted(unknown)}; choose from {', '.join(KNOWN_STRATEGIES)}")
-    if settings.proxy is not None and "cpmemory-nofit" in settings.strategies:
-        raise InvalidInputError("cpmemory-nofit starts its own proxy: it cannot run with --proxy")
+    for own in ("cpmemory-nofit", "cpmemory-nomove"):
+        if settings.proxy is not None and own in settings.strategies:
+            raise InvalidInputError(f"{own} starts its own proxy: it cannot run with --proxy")

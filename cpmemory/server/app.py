@@ -258,7 +258,8 @@ def build_fit(config: ServerConfig, metrics: ProxyMetrics) -> CacheFit | None:
         pools, size = len(config.engines), given
     return CacheFit([size] * pools, fill=config.fit_fill, idle_s=config.fit_idle_ms / 1000.0,
                     first_idle_s=config.fit_first_idle_ms / 1000.0, grace_s=config.fit_grace_ms / 1000.0,
-                    max_wait_s=config.fit_max_wait_s, observer=metrics, learn_idle=config.fit_learn_idle)
+                    max_wait_s=config.fit_max_wait_s, observer=metrics, learn_idle=config.fit_learn_idle,
+                    move=config.fit_move)
 
 
 async def size_fit(fit: CacheFit, config: ServerConfig) -> None:

@@ -123,6 +123,10 @@ def command(
         _FIELDS["fit_learn_idle"].default, "--fit-learn-idle/--fit-fixed-idle",
         help=f"Shrink the idle window to {GAP_MARGIN:g} x the longest recent gap between an answer and its "
         "conversation's next turn (at most --fit-idle-ms), or keep it at --fit-idle-ms."),
+    fit_move: bool = typer.Option(
+        _FIELDS["fit_move"].default, "--fit-move/--fit-no-move",
+        help="A conversation whose history no longer fits its replica's cache moves to a replica with room for it "
+        "(one prefill of its history there) rather than wait for the older conversations to end."),
     log_level: str = typer.Option("warning", "--log-level", help="uvicorn log level."),
 ) -> None:
     """Start the proxy (blocks until interrupted)."""
@@ -152,7 +156,7 @@ def command(
             engine_timeout_s=engine_timeout, kv_events=kv_events, tokenizer=tokenizer,
             upstream=upstream, router=RouterConfig(policy=router_policy),  # type: ignore[arg-type]
             replica_cache_tokens=replica_cache_tokens, max_in_flight=max_in_flight, hold_ms=hold_ms,
-            fit=fit, fit_fill=fit_fill, fit_max_wait_s=fit_max_wait, fit_idle_ms=fit_idle_ms, fit_learn_idle=fit_learn_idle,
+            fit=fit, fit_fill=fit_fill, fit_max_wait_s=fit_max_wait, fit_idle_ms=fit_idle_ms, fit_learn_idle=fit_learn_idle, fit_move=fit_move,
         )
         app = create_app(config)
     except ValidationError as error:

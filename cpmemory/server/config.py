@@ -70,6 +70,8 @@ class ServerConfig(BaseModel):
             with ``fit_learn_idle``).
         fit_learn_idle: the idle windows shrink to 1.25 times the longest recent gap between a turn's answer and its
             conversation's next turn (``CacheFit.idle_window_s``); off: always ``fit_idle_ms``.
+        fit_move: a live conversation whose history no longer fits its replica's cache moves to a replica with room
+            for it rather than wait there (``CacheFit``, "moved").
         fit_first_idle_ms: the same for a conversation that has had one turn so far (a lone question frees it soon).
         fit_grace_ms: a replica with nothing in flight for this long (and for the idle window) takes the next new
             conversation anyway.
@@ -101,6 +103,7 @@ class ServerConfig(BaseModel):
     fit_idle_ms: float = Field(default=500.0, ge=0, le=600_000)
     fit_first_idle_ms: float = Field(default=500.0, ge=0, le=600_000)
     fit_learn_idle: bool = True
+    fit_move: bool = True
     fit_grace_ms: float = Field(default=100.0, ge=0, le=600_000)
     fit_max_wait_s: float = Field(default=30.0, gt=0, le=3600)
 

@@ -6,7 +6,9 @@ turns wait in the proxy.
     turn without history (a lone question, a first turn) ─► the router's choice at once          ("first")
     later turn of conversation c
       ├─ c is live on replica r and *resident* there ──────────────────────► r at once            ("live")
-      ├─ c is live on r, not resident (the older ones fill the cache) ─► wait until it is ─► r    ("resumed")
+      ├─ c is live on r, not resident (the older ones fill the cache)
+      │    ├─ another replica has room for it now (``move``) ─────────────► that replica at once  ("moved")
+      │    └─ else wait until it is resident on r, or another has room ─► r, or that one         ("resumed", "moved")
       ├─ c idled out but its next turn came within ``idle_s`` of its last answer: live again, in its old place ─► as above
       └─ c is not live (it idled out, or the proxy restarted): a replica (the router's choice first, then the most room) whose live
          conversations' footprints + c's fit ─► it at once                                       ("room")
@@ -37,6 +39,13 @@ A conversation whose share the learnt window released early (its next turn came 
 ``idle_s``) takes its old place back when that turn arrives: its history is still in its replica's cache, and
 entering again at the back would make it the one that waits (and loses that history) once the others grow.
 
+A live conversation that is not resident on its replica *moves* (``move``, on by default) to another replica where
+every live conversation plus it fit, at once or while it waits, if no new conversation waits for room: its history is
+recomputed there, which costs one prefill; waiting instead costs the time until the older conversations end (seconds:
+they are the ones that take several turns more) and usually that history too, because vLLM's LRU evicts the blocks
+of the turn not being run. Which replica a conversation should start on cannot be known from its first turn (its
+size comes later); moving corrects the deal once the sizes are seen.
+
 A replica whose capacity is unknown admits everything; nobody waits longer than ``max_wait_s`` (the fallback is
 vLLM's own behaviour); a waiter whose client goes away leaves the queue. Admission decides only when and where a turn
 is sent, never its content.
@@ -54,8 +63,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
-FitReason = Literal["first", "live", "resumed", "room", "timeout"]
-FIT_REASONS: tuple[FitReason, ...] = ("first", "live", "resumed", "room", "timeout")
+FitReason = Literal["first", "live", "resumed", "moved", "room", "timeout"]
+FIT_REASONS: tuple[FitReason, ...] = ("first", "live", "resumed", "moved", "room", "timeout")
 
 logger = logging.getLogger(__name__)
 
@@ -159,6 +168,7 @@ class CacheFit:
         clock: Callable[[], float] = time.monotonic,
         observer: FitObserver | None = None,
         learn_idle: bool = True,
+        move: bool = True,
     ) -> None:
         """``capacities``: each replica's KV cache in tokens (None: unknown, that replica admits everything);
         ``fill``: the share of it the live footprints may take; ``idle_s``: how long a conversation with nothing in
@@ -166,7 +176,8 @@ class CacheFit:
         ``grace_s``: a replica with no turn in flight for this long (and at least the idle window,
         :meth:`_grace`) takes the next new conversation even over ``fill`` (it would idle otherwise);
         ``learn_idle``: the idle windows shrink to what the traffic needs (:meth:`idle_window_s`), ``idle_s`` and
-        ``first_idle_s`` are their longest. No IO."""
+        ``first_idle_s`` are their longest; ``move``: a live conversation that is not resident moves to a replica
+        with room for it rather than wait (see the module). No IO."""
         if not 0 < fill <= 1:
             raise ValueError("fill must be in (0, 1]")
         self.capacities = list(capacities)
@@ -183,6 +194,7 @@ class CacheFit:
         self._timer: asyncio.TimerHandle | None = None
         self.tokens_per_char = DEFAULT_TOKENS_PER_CHAR
         self.learn_idle = learn_idle
+        self.move_enabled = move
         self._ended: OrderedDict[str, float] = OrderedDict()  # conversation -> when its last turn ended
         self._gaps: deque[float] = deque(maxlen=GAP_SAMPLES)
         self._window_s = idle_s  # idle_window_s, recomputed only when a gap is seen (it is read per live conversation)
@@ -301,7 +313,11 @@ class CacheFit:
             live.footprint = max(live.footprint, tokens)
             if key in self._resident(live.replica):
                 return self._enter(key, tokens, live.replica, "live", 0.0, chars)
-            return await self._wait(key, tokens, (live.replica,), chars, live)
+            target = self._move_target(live, ranked)
+            if target is not None:
+                self._relocate(live, target)
+                return self._enter(key, tokens, target, "moved", 0.0, chars)
+            return await self._wait(key, tokens, tuple(ranked), chars, live)
         order = self._ranked(ranked)
         if not any(waiter.live is None for waiter in self._waiters):
             replica = self._room(tokens, order)
@@ -323,6 +339,27 @@ class CacheFit:
         if any(other.seq > ghost.seq for other in self._live.values()):
             self._live = dict(sorted(self._live.items(), key=lambda item: item[1].seq))
         return ghost
+
+    def _move_target(self, live: _Live, ranked: Sequence[int], waiting: int = 0) -> int | None:
+        """The replica of ``ranked`` (most room first) that a non-resident live conversation moves to: one where every
+        live conversation plus its footprint fit (or none is live), while no new conversation waits for room (it
+        would be overtaken) and no other turn of it is in flight or waiting (``waiting``: its turns in the queue
+        that ask); else None."""
+        if not self.move_enabled or live.in_flight or live.waiting > waiting:
+            return None
+        if any(waiter.live is None and not waiter.future.done() for waiter in self._waiters):
+            return None
+        for replica in self.by_room([index for index in ranked if index != live.replica]):
+            limit = self._limit(replica)
+            used = self.live_tokens(replica)
+            if limit is None or used == 0 or used + live.footprint <= limit:
+                return replica
+        return None
+
+    def _relocate(self, live: _Live, replica: int) -> None:
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug("move %d tokens %d -> %d", live.footprint, live.replica, replica)
+        live.replica = replica
 
     def _grace(self) -> float:
         """How long a replica must have been quiet to take a new conversation over ``fill``: ``grace_s``, and never
@@ -447,14 +484,31 @@ class CacheFit:
         """Let the waiters run that may now: a live one once it is resident; new ones first come first served
         (the oldest new one waits for room and no newer one overtakes it)."""
         self._expire(self._clock())
+        moved = True
+        while moved:  # a move makes room where the conversation was: check the queue again
+            moved = self._pump_once()
+        self._observer.fit_waiting(self.waiting)
+        self._arm()
+
+    def _pump_once(self) -> bool:
+        """One pass over the queue; True when a conversation moved."""
+        moved = False
         blocked_new = False
         for waiter in list(self._waiters):
             if waiter.future.done():
                 self._waiters.remove(waiter)
                 continue
             if waiter.live is not None:
-                if waiter.live is self._live.get(waiter.key) and waiter.key in self._resident(waiter.live.replica):
+                if waiter.live is not self._live.get(waiter.key):
+                    continue
+                if waiter.key in self._resident(waiter.live.replica):
                     self._grant(waiter, waiter.live.replica, "resumed")
+                    continue
+                target = self._move_target(waiter.live, waiter.ranked, waiting=1)
+                if target is not None:
+                    self._relocate(waiter.live, target)
+                    self._grant(waiter, target, "moved")
+                    moved = True
                 continue
             if blocked_new:
                 continue
@@ -463,8 +517,7 @@ class CacheFit:
                 blocked_new = True
                 continue
             self._grant(waiter, replica, "room")
-        self._observer.fit_waiting(self.waiting)
-        self._arm()
+        return moved
 
     def _grant(self, waiter: _Waiter, replica: int, reason: FitReason) -> None:
         if waiter.timer is not None:
@@ -479,7 +532,8 @@ class CacheFit:
     def _timeout(self, waiter: _Waiter) -> None:
         if waiter.future.done():
             return
-        self._grant(waiter, waiter.ranked[0] if waiter.ranked else 0, "timeout")
+        replica = waiter.live.replica if waiter.live is not None else waiter.ranked[0] if waiter.ranked else 0
+        self._grant(waiter, replica, "timeout")
         self._pump()
 
     def _leave(self, waiter: _Waiter) -> None:

@@ -417,10 +417,11 @@ class ProxyService:
         chars = sum(len(str(message.get("content") or "")) for message in payload.get("messages") or [])
         slot = await fit.admit(key, chars, requested_answer_tokens(request, self.answer_reserve_tokens), ranked,
                                history=hint.sticky)
-        moved = slot.replica != ranked[0] or slot.waited_s > 0  # placed elsewhere, or the router's view is stale
-        if slot.reason != "room" or self.upstream or not moved:
+        if self.upstream or slot.reason in ("first", "timeout"):  # the gateway's, or the router's choice
             return slot, hint
-        return slot, replace(hint, replica=slot.replica)
+        if slot.reason == "room" and slot.replica == ranked[0] and not slot.waited_s:
+            return slot, hint  # the router's choice, its view fresh
+        return slot, replace(hint, replica=slot.replica)  # the conversation's replica (it may have moved)
 
     def _register(self, replica: int, sent: _Registration) -> None:
         """Register a committed prompt for eviction sync: its known hashes, else a background ``/tokenize``; behind

@@ -333,3 +333,15 @@ async def test_the_original_keeps_each_conversation_on_one_replica_and_session_d
         assert len(client.history["c0"]) == 6  # three user turns and three answers
     finally:
         await client.aclose()
+
+
+@pytest.mark.parametrize("strategy", ["cpmemory-nofit", "cpmemory-nomove"])
+def test_ablations_start_their_own_proxy_and_unknown_strategies_are_refused(strategy):
+    from cpmemory.bench.serve_run import ServeSettings, validate
+    from cpmemory.errors import InvalidInputError
+
+    validate(ServeSettings(engines=["http://e"], strategies=["original", strategy]))
+    with pytest.raises(InvalidInputError, match="starts its own proxy"):
+        validate(ServeSettings(engines=["http://e"], proxy="http://p", strategies=[strategy]))
+    with pytest.raises(InvalidInputError, match="unknown strategies"):
+        validate(ServeSettings(engines=["http://e"], strategies=["cpmemory-nothing"]))

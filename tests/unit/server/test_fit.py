@@ -425,3 +425,83 @@ def test_with_a_fixed_idle_window_the_gaps_change_nothing() -> None:
         assert fit.idle_window_s() == 0.5
 
     asyncio.run(main())
+
+
+async def _b_outgrown(fit: CacheFit) -> None:
+    """a (older) and b live on replica 0; a's history grew to 900, so b (400) no longer fits beside it."""
+    a = await fit.admit("a", chars(500), 0, [0, 1])
+    b = await fit.admit("b", chars(400), 0, [0, 1])
+    assert (a.replica, b.replica) == (0, 0)  # 500 + 400 fit on replica 0
+    b.end(0, 400, 0)
+    a.end(0, 500, 0)
+    a2 = await fit.admit("a", chars(900), 0, [0, 1])
+    assert a2.reason == "live"
+    a2.end(0, 900, 0)  # a (900) + b (400) > 1000: b is no longer resident on replica 0
+
+
+def test_a_conversation_outgrown_on_its_replica_moves_at_once_to_one_with_room() -> None:
+    async def main() -> None:
+        fit = CacheFit([1000, 1000], fill=1.0, idle_s=2.0, first_idle_s=2.0, grace_s=10.0)
+        await _b_outgrown(fit)
+        moved = await asyncio.wait_for(fit.admit("b", chars(400), 0, [0, 1]), 1.0)
+        assert (moved.replica, moved.reason, moved.waited_s) == (1, "moved", 0.0)
+        assert fit.replica_of("b") == 1 and fit.live_tokens(0) == 900 and fit.live_tokens(1) == 400
+        moved.end(1, 450, 0)
+        again = await fit.admit("b", chars(450), 0, [0, 1])
+        assert (again.replica, again.reason) == (1, "live")  # it stays where it moved
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("ranked", [[0], [0, 1]])
+def test_a_conversation_does_not_move_off_rotation_nor_with_moves_off(ranked: list[int]) -> None:
+    async def main() -> None:
+        fit = CacheFit([1000, 1000], fill=1.0, idle_s=2.0, first_idle_s=2.0, grace_s=10.0,
+                       move=len(ranked) == 1)  # replica 1 out of rotation, or moves off
+        await _b_outgrown(fit)
+        waiting = asyncio.ensure_future(fit.admit("b", chars(400), 0, ranked))
+        await asyncio.sleep(0.05)
+        assert not waiting.done() and fit.replica_of("b") == 0  # it waits for a on replica 0
+        waiting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        assert fit.waiting == 0
+
+    asyncio.run(main())
+
+
+def test_a_waiting_conversation_moves_when_another_replica_gets_room() -> None:
+    async def main() -> None:
+        fit = CacheFit([1000, 1000], fill=1.0, idle_s=2.0, first_idle_s=0.15, grace_s=10.0)
+        d = await fit.admit("d", chars(900), 0, [1, 0])  # a big first turn fills replica 1 (in flight)
+        assert d.replica == 1
+        await _b_outgrown(fit)
+        waiting = asyncio.ensure_future(fit.admit("b", chars(400), 0, [0, 1]))
+        await asyncio.sleep(0.05)
+        assert not waiting.done()  # 900 + 400 > 1000 on both replicas
+        d.end(1, 900, 0)  # d had a single turn: it frees replica 1 after first_idle_s
+        moved = await asyncio.wait_for(waiting, 2.0)
+        assert (moved.replica, moved.reason) == (1, "moved") and moved.waited_s > 0.05
+        assert fit.replica_of("b") == 1 and fit.live_tokens(0) == 900
+
+    asyncio.run(main())
+
+
+def test_a_move_does_not_overtake_a_new_conversation_waiting_for_room() -> None:
+    async def main() -> None:
+        fit = CacheFit([1000, 1000], fill=1.0, idle_s=2.0, first_idle_s=2.0, grace_s=10.0)
+        d = await fit.admit("d", chars(300), 0, [1, 0])
+        assert d.replica == 1
+        await _b_outgrown(fit)  # replica 0: a 900, b 400; replica 1: d 300
+        newcomer = asyncio.ensure_future(fit.admit("n", chars(800), 0, [1, 0]))  # fits nowhere: waits
+        await asyncio.sleep(0.02)
+        assert not newcomer.done()
+        waiting = asyncio.ensure_future(fit.admit("b", chars(400), 0, [0, 1]))
+        await asyncio.sleep(0.02)
+        assert not waiting.done() and fit.replica_of("b") == 0  # 300 + 400 fit on 1, but n came first
+        for task in (newcomer, waiting):
+            task.cancel()
+        await asyncio.gather(newcomer, waiting, return_exceptions=True)
+        assert fit.waiting == 0
+
+    asyncio.run(main())

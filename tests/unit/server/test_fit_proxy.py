@@ -131,3 +131,35 @@ def test_admission_is_sized_per_replica_or_as_one_pool_behind_a_gateway() -> Non
     unsized = build_fit(ServerConfig(engines=engines), ProxyMetrics(2))
     assert unsized is not None and not unsized.sized  # until the engines' /metrics give the sizes
     assert build_fit(ServerConfig(engines=engines, fit=False), ProxyMetrics(2)) is None
+
+
+async def test_a_conversation_outgrown_on_its_replica_moves_to_the_other_and_stays_there(make_proxy) -> None:
+    """Two conversations dealt to one replica (rendezvous affinity); once the older one's history grows past what
+    the cache holds beside the younger one's, the younger one's next turn goes at once to the replica with room, and
+    its later turns follow it there."""
+    from cpmemory.routing.router import Router, RouterConfig, conversation_affinity_key
+
+    proxy = make_proxy(2, replica_cache_tokens=4_000, fit_idle_ms=2_000.0, fit_first_idle_ms=2_000.0,
+                       router=RouterConfig(policy="affinity"))
+    ranking = Router(proxy.fleet.urls).ranking
+    names = [f"conv-{index}" for index in range(64)]
+    home = {name: ranking(conversation_affinity_key("default", name))[0] for name in names}
+    older = names[0]
+    younger = next(name for name in names[1:] if home[name] == home[older])
+    _, first = await post(proxy, older, 1)  # ~1,250 tokens
+    _, second = await post(proxy, younger, 1)
+    assert first == second  # both on one replica
+    for turn in (2, 3):
+        await post(proxy, older, turn)  # the older one grows to ~3,700 tokens: the younger one no longer fits
+    waited, moved_to = await post(proxy, younger, 2)
+    assert moved_to != first and waited < 1.0  # moved at once, not after the older one's idle window
+    counts = await fit_counts(proxy)
+    assert counts["moved"] == 1 and counts.get("resumed", 0) == 0
+    _, then = await post(proxy, younger, 3)
+    assert then == moved_to  # it stays where it moved
+    last = proxy.engines[moved_to].requests[-1]["body"]["messages"]  # the younger one's third turn
+    blocks = [(block["id"], block["text"]) for block in body(younger, 3)["cpmemory"]["blocks"]]
+    report = check_no_loss(blocks, last)
+    assert report.ok, report
+    sent = "\n".join(str(message.get("content")) for message in last)
+    assert body(younger, 1)["cpmemory"]["blocks"][0]["text"] in sent  # its history reached the replica it moved to
