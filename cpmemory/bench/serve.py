@@ -65,7 +65,7 @@ async def in_process_proxy(settings: ServeSettings, cache_tokens: int | None = N
     recording = RecordingTransport(HttpxChatTransport())
     config = ServerConfig(engines=list(settings.engines), upstream=settings.upstream,
                           kv_events=list(settings.kv_events), engine_timeout_s=settings.engine_timeout_s, fit=fit,
-                          fit_move=fit_move,
+                          fit_move=fit_move, **({"fit_fill": settings.fit_fill} if settings.fit_fill else {}),
                           tokenizer=settings.tokenizer, cache_salt=settings.cache_salt,
                           upstream_session=settings.upstream_session and settings.upstream is not None,
                           **({"replica_cache_tokens": cache_tokens} if cache_tokens else {}))
@@ -338,6 +338,8 @@ def command(
     proxy: str | None = typer.Option(None, "--proxy", help="Use a running cpmemory proxy instead of starting one."),
     kv_events: Annotated[list[str] | None, typer.Option("--kv-events", help="KV-event endpoint per --engine.")] = None,
     tokenizer: str | None = typer.Option(None, "--tokenizer", help="The proxy's local tokenizer (serve --tokenizer)."),
+    fit_fill: float | None = typer.Option(None, "--fit-fill", min=0.01, max=1.0,
+                                          help="The in-process proxy's cache-fit fill (serve --fit-fill; default 0.9)."),
     upstream_session: bool = typer.Option(
         False, "--upstream-session", help="Both strategies name each conversation to --upstream (session_params)."),
     cache_salt: bool = typer.Option(True, "--cache-salt/--no-cache-salt",
@@ -373,6 +375,7 @@ def command(
         trace = _load(trace_file, workload, data_dir, multi_turn)
         settings = ServeSettings(
             engines=tuple(engine), upstream=upstream, proxy=proxy, kv_events=tuple(kv_events or ()), tokenizer=tokenizer,
+            fit_fill=fit_fill,
             cache_salt=cache_salt, upstream_session=upstream_session, original_routing=original_routing,
             concurrency=concurrency, rate=min(rate) if rate else None, requests=requests, max_turns=max_turns, max_tokens=max_tokens,
             timeout_s=timeout, engine_timeout_s=engine_timeout, model=model, seed=seed, rounds=rounds,

@@ -52,6 +52,7 @@ class ServeSettings(BaseModel):
         "session", description="original's conversation affinity: least loaded then sticky, or rendezvous hash")
     cache_salt: bool = Field(True, description="the in-process proxy sends tenant cache salts (serve --no-cache-salt)")
     tokenizer: str | None = Field(None, description="the in-process proxy's local tokenizer (cpmemory serve --tokenizer)")
+    fit_fill: float | None = Field(None, gt=0, le=1, description="the in-process proxy's --fit-fill (None: its default)")
     concurrency: int = Field(8, ge=1, le=4096)
     rate: float | None = Field(None, gt=0, description="Poisson arrivals per second (instead of concurrency)")
     requests: int = Field(64, ge=1)
@@ -355,3 +356,5 @@ def validate(settings: ServeSettings) -> None:
     for own in ("cpmemory-nofit", "cpmemory-nomove"):
         if settings.proxy is not None and own in settings.strategies:
             raise InvalidInputError(f"{own} starts its own proxy: it cannot run with --proxy")
+    if settings.proxy is not None and settings.fit_fill is not None:
+        raise InvalidInputError("--fit-fill sets the in-process proxy: give it to the running proxy (serve --fit-fill)")

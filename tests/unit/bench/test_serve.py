@@ -345,3 +345,5 @@ def test_ablations_start_their_own_proxy_and_unknown_strategies_are_refused(stra
         validate(ServeSettings(engines=["http://e"], proxy="http://p", strategies=[strategy]))
     with pytest.raises(InvalidInputError, match="unknown strategies"):
         validate(ServeSettings(engines=["http://e"], strategies=["cpmemory-nothing"]))
+    with pytest.raises(InvalidInputError, match="in-process proxy"):
+        validate(ServeSettings(engines=["http://e"], proxy="http://p", strategies=["cpmemory"], fit_fill=0.95))
