@@ -315,7 +315,7 @@ class CacheFit:
                 return self._enter(key, tokens, live.replica, "live", 0.0, chars)
             target = self._move_target(live, ranked)
             if target is not None:
-                self._relocate(live, target)
+                live.replica = target
                 return self._enter(key, tokens, target, "moved", 0.0, chars)
             return await self._wait(key, tokens, tuple(ranked), chars, live)
         order = self._ranked(ranked)
@@ -349,17 +349,8 @@ class CacheFit:
             return None
         if any(waiter.live is None and not waiter.future.done() for waiter in self._waiters):
             return None
-        for replica in self.by_room([index for index in ranked if index != live.replica]):
-            limit = self._limit(replica)
-            used = self.live_tokens(replica)
-            if limit is None or used == 0 or used + live.footprint <= limit:
-                return replica
-        return None
-
-    def _relocate(self, live: _Live, replica: int) -> None:
-        if logger.isEnabledFor(logging.DEBUG):
-            logger.debug("move %d tokens %d -> %d", live.footprint, live.replica, replica)
-        live.replica = replica
+        others = self.by_room([index for index in ranked if index != live.replica])
+        return next((replica for replica in others if self._fits(replica, live.footprint)), None)
 
     def _grace(self) -> float:
         """How long a replica must have been quiet to take a new conversation over ``fill``: ``grace_s``, and never
@@ -405,9 +396,7 @@ class CacheFit:
         """The first replica of ``order`` where every live conversation plus ``tokens`` fit (or none is live), else
         the first one that has been idle for ``grace_s`` (work-conserving: an idle engine serves no cache)."""
         for replica in order:
-            limit = self._limit(replica)
-            used = self.live_tokens(replica)
-            if limit is None or used == 0 or used + tokens <= limit:
+            if self._fits(replica, tokens):
                 return replica
         now = self._clock()
         for replica in order:
@@ -415,6 +404,12 @@ class CacheFit:
             if quiet is not None and now - quiet >= self._grace():
                 return replica
         return None
+
+    def _fits(self, replica: int, tokens: int) -> bool:
+        """Whether every live conversation of ``replica`` plus ``tokens`` fit its limit (or none is live there)."""
+        limit = self._limit(replica)
+        used = self.live_tokens(replica)
+        return limit is None or used == 0 or used + tokens <= limit
 
     def _resident(self, replica: int) -> set[str]:
         """The live conversations of ``replica`` that fit its cache: first fit in admission order (the oldest
@@ -506,7 +501,7 @@ class CacheFit:
                     continue
                 target = self._move_target(waiter.live, waiter.ranked, waiting=1)
                 if target is not None:
-                    self._relocate(waiter.live, target)
+                    waiter.live.replica = target
                     self._grant(waiter, target, "moved")
                     moved = True
                 continue
