@@ -25,7 +25,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from cpmemory.core.blocks import BlockLike, normalize_blocks
-from cpmemory.errors import PromptBudgetError, TokenCounterError
+from cpmemory.errors import PromptBudgetError, ReservationExpiredError, TokenCounterError
 from cpmemory.session.config import CpMemoryConfig
 from cpmemory.session.lifecycle import FacadeCore, IndexEvictor, is_store_failure, shared_evictions
 from cpmemory.session.turns import PreparedTurn, reserve_request
@@ -115,8 +115,13 @@ class CpMemory(FacadeCore):
             if not is_store_failure(error):
                 raise
 
-    def commit(self, turn_or_reservation_id: PreparedTurn | str, answer: str) -> int:
+    def commit(self, turn_or_reservation_id: PreparedTurn | str, answer: str, *, late: bool = False) -> int:
         """Make the turn durable with the model's answer; returns the committed turn number (0 for degraded turns).
+
+        Args:
+            late: a reservation that timed out is committed all the same, through a new reservation (the turn is
+                appended after whatever committed meanwhile). For a caller that always ends its turns (the proxy):
+                an answer that came slowly still joins the history. Off: ReservationExpiredError, nothing recorded.
 
         Raises:
             UnknownReservationError, ReservationExpiredError: see the store contract.
@@ -126,7 +131,14 @@ class CpMemory(FacadeCore):
         if turn.degraded:
             return 0
         try:
-            number = self.store.commit(turn.key, turn.reservation_id, record)
+            try:
+                number = self.store.commit(turn.key, turn.reservation_id, record)
+            except ReservationExpiredError:
+                if not late:
+                    raise
+                again = self.store.reserve(turn.key, self._late_request())
+                number = self.store.commit(turn.key, again.reservation_id, record)
+                self._committed_late(turn)
         except Exception as error:  # noqa: BLE001 - _commit_failed re-raises it (mapped)
             self._commit_failed(error)
         return self._committed(turn, number)
@@ -271,13 +283,20 @@ class AsyncCpMemory(FacadeCore):
             if not is_store_failure(error):
                 raise
 
-    async def commit(self, turn_or_reservation_id: PreparedTurn | str, answer: str) -> int:
+    async def commit(self, turn_or_reservation_id: PreparedTurn | str, answer: str, *, late: bool = False) -> int:
         """See :meth:`CpMemory.commit`."""
         turn, record = self._to_commit(turn_or_reservation_id, answer)
         if turn.degraded:
             return 0
         try:
-            number = await self.store.commit(turn.key, turn.reservation_id, record)
+            try:
+                number = await self.store.commit(turn.key, turn.reservation_id, record)
+            except ReservationExpiredError:
+                if not late:
+                    raise
+                again = await self.store.reserve(turn.key, self._late_request())
+                number = await self.store.commit(turn.key, again.reservation_id, record)
+                self._committed_late(turn)
         except Exception as error:  # noqa: BLE001 - _commit_failed re-raises it (mapped)
             self._commit_failed(error)
         return self._committed(turn, number)

@@ -541,6 +541,9 @@ def _install_operations(app: Any, service: ProxyService, resolve_tenant: _Tenant
 
     @app.get("/metrics")
     async def metrics() -> Any:
+        counters = getattr(service.memory, "counters", None)
+        if counters is not None:
+            service.metrics.observe_memory(counters.snapshot())
         if service.kv_sync is not None:
             service.metrics.observe_kv_sync(service.kv_sync.stats(), service.kv_sync.failures)
         if service.hold is not None:

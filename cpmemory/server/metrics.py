@@ -49,6 +49,10 @@ class ProxyMetrics:
             "route_tokenize (no prompt blocks for routing)",
             ["kind"], registry=registry,
         )
+        self.memory_counters = Gauge(
+            "cpmemory_memory_counter", "The facade's counters (cpmemory.session.counters.FacadeCounters: commits, "
+            "commit_failures, late_commits, index_errors, ...)", ["counter"], registry=registry,
+        )
         self.healthy_replicas = Gauge("cpmemory_healthy_replicas", "Replicas in rotation", registry=registry)
         self.local_tokenizer = Gauge("cpmemory_local_tokenizer",
                                      "1 when prompts are tokenized in the proxy (--tokenizer, or the engine's own "
@@ -158,6 +162,11 @@ class ProxyMetrics:
             for name in ("registered", "removed_blocks", "evicted_requests", "evicted_leaves", "resets", "resyncs"):
                 self.kv_sync.labels(replica=str(replica), counter=name).set(getattr(values, name, 0))
         self.kv_sync_failures.set(failures)
+
+    def observe_memory(self, counters: dict[str, int]) -> None:
+        """Copy the facade's counters into gauges (called on scrape)."""
+        for name, value in counters.items():
+            self.memory_counters.labels(counter=name).set(value)
 
     def observe_decision(self, replica: int, reason: str, cached_share: float | None) -> None:
         """Count one routing decision (reason from ``router.ROUTE_REASONS``)."""

@@ -72,7 +72,7 @@ class TurnMemory(Protocol):
         history: Sequence[Mapping[str, Any]] | None = None, tenant: str = "default", system_prompt: str | None = None,
     ) -> PreparedTurn: ...
 
-    async def commit(self, turn_or_reservation_id: PreparedTurn, answer: str) -> int: ...
+    async def commit(self, turn_or_reservation_id: PreparedTurn, answer: str, *, late: bool = False) -> int: ...
 
     async def abort(self, turn_or_reservation_id: PreparedTurn) -> bool: ...
 
@@ -495,9 +495,11 @@ class ProxyService:
             self.engine_budget.learn(model, prepared.prompt_tokens, usage_tokens({"usage": usage})[0])
 
     async def commit(self, prepared: PreparedTurn, answer: str) -> bool:
-        """Commit the turn; a store failure or an expired reservation is logged and counted, never raised."""
+        """Commit the turn; a store failure is logged and counted, never raised. A turn whose reservation timed out
+        while it waited or streamed (admission, a queued engine, a long answer) is committed late all the same: the
+        proxy ends every turn it prepared, so the expiry would only drop an answered turn from the history."""
         try:
-            await self.memory.commit(prepared, answer)
+            await self.memory.commit(prepared, answer, late=True)
         except (StoreUnavailableError, ReservationError) as error:
             logger.warning("commit of %s failed: %s", prepared.request_id or prepared.reservation_id, error)
             self.metrics.fallbacks.labels(kind="store").inc()

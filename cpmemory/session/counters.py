@@ -16,6 +16,7 @@ class FacadeCounters:
         aborts: turns aborted.
         fallbacks: prepares served as degraded pass-through because the store failed.
         commit_failures: commits that failed because the store failed.
+        late_commits: turns committed through a new reservation after theirs timed out (``commit(late=True)``).
         index_errors: index operations that failed (the turn kept the relevance order).
         blocks: blocks received.
         blocks_referenced: blocks replaced by a reference.
@@ -33,6 +34,7 @@ class FacadeCounters:
     aborts: int = 0
     fallbacks: int = 0
     commit_failures: int = 0
+    late_commits: int = 0
     index_errors: int = 0
     blocks: int = 0
     blocks_referenced: int = 0

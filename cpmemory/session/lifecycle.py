@@ -42,7 +42,7 @@ from cpmemory.session.turns import (
     plan_turn,
     turn_counts,
 )
-from cpmemory.types import BatchPlan, ConversationKey, TurnRecord
+from cpmemory.types import BatchPlan, ConversationKey, ReserveRequest, TurnRecord
 
 logger = logging.getLogger(__name__)
 
@@ -176,6 +176,15 @@ class FacadeCore:
         with self._pending_lock:
             pending = turn.reservation_id in self._pending
         return (None if turn.degraded else turn), pending
+
+    def _late_request(self) -> ReserveRequest:
+        """The reservation a late commit goes through: it reads nothing (the record was planned at prepare)."""
+        return ReserveRequest(blocks=(), reservation_timeout_s=self.config.reservation_timeout_s,
+                              include_transcript=False)
+
+    def _committed_late(self, turn: PreparedTurn) -> None:
+        logger.info("turn %s committed late (its reservation had timed out)", turn.request_id or turn.reservation_id)
+        self.counters.add(late_commits=1)
 
     def _committed(self, turn: PreparedTurn, number: int) -> int:
         self._forget(turn)

@@ -245,3 +245,24 @@ async def test_the_session_policy_places_new_conversations_by_load_and_keeps_the
     router.end(router.urls[home["a"]])
     for engine in proxy.engines:
         assert all(check_no_loss(BLOCKS_1, request["body"]["messages"]).ok for request in engine.requests)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_an_answer_slower_than_the_reservation_still_joins_the_history(make_proxy, stream: bool) -> None:
+    """The engine takes longer than the facade's reservation timeout (a queued engine, a long answer, admission's
+    wait): the proxy commits the turn late, so the next turn's prompt holds the answer and refers to its blocks."""
+    from cpmemory import AsyncCpMemory, CpMemoryConfig
+
+    proxy = make_proxy(1, memory=AsyncCpMemory(config=CpMemoryConfig(reservation_timeout_s=0.05)))
+    proxy.engines[0].prefill_s_per_token = 0.15 / 400  # ~0.15 s for the first prompt's ~400 uncached tokens
+    first = await proxy.client.post("/v1/chat/completions", json=turn_body("slow", "What is fact 1?", BLOCKS_1, stream))
+    assert first.status_code == 200, first.text
+    answer = proxy.engines[0].reply(proxy.engines[0].requests[-1]["body"])
+    proxy.engines[0].prefill_s_per_token = 0.0
+    second = await proxy.client.post("/v1/chat/completions", json=turn_body("slow", "And fact 9?", BLOCKS_2))
+    info = second.json()["cpmemory"]
+    assert {d["block_id"]: d["status"] for d in info["decisions"]}["doc-0"] == "referenced"
+    assert {"role": "assistant", "content": answer} in proxy.engines[0].requests[-1]["body"]["messages"]
+    metrics = (await proxy.client.get("/metrics")).text
+    late = [line for line in metrics.splitlines() if line.startswith('cpmemory_memory_counter{counter="late_commits"}')]
+    assert float(late[0].rsplit(" ", 1)[1]) >= 1  # the second turn may be late too on a loaded machine
