@@ -30,6 +30,7 @@ from cpmemory.core.blocks import Block, to_block
 from cpmemory.engines.openai_wire import (
     EngineBody,
     engine_body,
+    parse_usage,
     request_headers,
     response_text,
     session_params,
@@ -552,11 +553,9 @@ class ProxyService:
 
 
 def answer_usage(usage: Any) -> tuple[int | None, int]:
-    """(prompt tokens or None, completion tokens) of an engine's ``usage`` object."""
-    if not isinstance(usage, Mapping):
-        return None, 0
-    prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
-    return (prompt if isinstance(prompt, int) else None), (completion if isinstance(completion, int) else 0)
+    """(prompt tokens or None, completion tokens or 0) of an engine's ``usage`` object (``parse_usage``)."""
+    parsed = parse_usage(usage)
+    return parsed.prompt_tokens, parsed.completion_tokens or 0
 
 
 def has_history(turn: TurnInput, prepared: PreparedTurn) -> bool:
