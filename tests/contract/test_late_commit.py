@@ -20,18 +20,21 @@ async def _call(result: Any) -> Any:
     return await result if inspect.isawaitable(result) else result
 
 
-def _facade(backend: Any, mode: str) -> Any:
+async def _expired_turn(backend: Any, mode: str, conversation: str) -> tuple[Any, Any]:
+    """A facade on the backend, and a first turn of ``conversation`` whose reservation has timed out."""
     if mode == "sync":
-        return CpMemory(store=backend.make_sync(3600.0), config=CONFIG)
-    return AsyncCpMemory(store=backend.make_async(3600.0), config=CONFIG)
+        mem: Any = CpMemory(store=backend.make_sync(3600.0), config=CONFIG)
+    else:
+        mem = AsyncCpMemory(store=backend.make_async(3600.0), config=CONFIG)
+    turn = await _call(mem.prepare(conversation, "When did the bridge open?", BLOCKS))
+    backend.sleep(0.1 + backend.timing_slack_s)
+    return mem, turn
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
 async def test_late_commit_joins_the_history(backend: Any, mode: str) -> None:
-    mem = _facade(backend, mode)
     conversation = f"late-{mode}-{backend.name}"
-    first = await _call(mem.prepare(conversation, "When did the bridge open?", BLOCKS))
-    backend.sleep(0.1 + backend.timing_slack_s)
+    mem, first = await _expired_turn(backend, mode, conversation)
     assert await _call(mem.commit(first, "In 1932.", late=True)) == 1
     assert mem.counters.snapshot()["late_commits"] == 1
 
@@ -44,10 +47,8 @@ async def test_late_commit_joins_the_history(backend: Any, mode: str) -> None:
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
 async def test_commit_without_late_still_refuses(backend: Any, mode: str) -> None:
-    mem = _facade(backend, mode)
     conversation = f"strict-{mode}-{backend.name}"
-    turn = await _call(mem.prepare(conversation, "When did the bridge open?", BLOCKS))
-    backend.sleep(0.1 + backend.timing_slack_s)
+    mem, turn = await _expired_turn(backend, mode, conversation)
     with pytest.raises(ReservationExpiredError):
         await _call(mem.commit(turn, "In 1932."))
     later = await _call(mem.prepare(conversation, "When did the bridge open?", BLOCKS))
