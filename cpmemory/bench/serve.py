@@ -44,6 +44,7 @@ from cpmemory.errors import CpMemoryError
 DEFAULT_REQUESTS = 64
 DEFAULT_CONCURRENCY = 8
 DEFAULT_MAX_TURNS = 6
+DEFAULT_CALIBRATE_REQUESTS = 48
 
 
 @contextlib.asynccontextmanager
@@ -181,6 +182,25 @@ async def run_serve(trace: Trace, settings: ServeSettings,
     return report_json(trace, settings, runs, engines, len(sessions))
 
 
+async def measure_capacity(trace: Trace, settings: ServeSettings, requests: int,
+                           progress: Callable[[str, Outcome], None] | None = None) -> dict[str, Any]:
+    """What the engines serve of this trace, straight and in the original order: ``original`` alone, closed loop
+    with ``settings.concurrency`` clients over the first ``requests`` requests, caches reset; its answered requests
+    per second is the capacity that ``--load`` fractions refer to. Raises CpMemoryError when nothing was answered."""
+    calibration = settings.model_copy(update={"strategies": ("original",), "rate": None, "rounds": 1,
+                                              "requests": min(requests, settings.requests)})
+    figures = (await run_serve(trace, calibration, progress))["strategies"]["original"]
+    if not figures["throughput_rps"]:
+        raise CpMemoryError(f"the capacity run answered no request ({figures['errors']} errors): no rate for --load")
+    return {"throughput_rps": figures["throughput_rps"], "concurrency": settings.concurrency,
+            "requests": calibration.requests, "errors": figures["errors"], "ttft_mean_ms": figures["ttft_mean_ms"]}
+
+
+def load_rates(loads: list[float], capacity_rps: float) -> list[tuple[float, float]]:
+    """(load, Poisson rate) per ``--load`` fraction, ascending; each rate rounded to 1/1000 per second."""
+    return [(one, max(round(one * capacity_rps, 3), 0.001)) for one in sorted(loads)]
+
+
 def report_json(trace: Trace, settings: ServeSettings, runs: dict[str, StrategyRun], engines: list[dict[str, Any]],
                 sessions: int) -> dict[str, Any]:
     """The ``--json`` object: ``strategies`` (exact figures), ``ttft_mean_speedup``, and what the run was."""
@@ -222,6 +242,8 @@ def print_table(report: dict[str, Any], console: Any) -> None:
 
     settings = report["settings"]
     load = f"rate {settings['rate']}/s" if settings.get("rate") else f"concurrency {settings['concurrency']}"
+    if "load" in report:
+        load = f"load {report['load']:g} of {report['capacity']['throughput_rps']:.3f} req/s, {load}"
     table = Table(title=f"bench serve {report['workload']}: {report['sessions']} sessions, {load}, "
                         f"{len(settings['engines'])} engine(s)" + (" via upstream" if settings.get("upstream") else ""))
     for header in ("strategy", "TTFT mean ms", "p50", "p90", "latency mean ms", "req/s", "prompt tok/s",
@@ -253,7 +275,8 @@ def _ms(value: float | None) -> str:
 
 def sweep_rows(reports: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One row per rate of a sweep: the rate, both speed-ups and each strategy's exact figures."""
-    return [{"rate": one["settings"]["rate"], "ttft_mean_speedup": one["ttft_mean_speedup"],
+    return [{"rate": one["settings"]["rate"], **({"load": one["load"]} if "load" in one else {}),
+             "ttft_mean_speedup": one["ttft_mean_speedup"],
              "engine_ttft_mean_speedup": one.get("engine_ttft_mean_speedup"),
              "throughput_speedup": one["throughput_speedup"], "strategies": one["strategies"]} for one in reports]
 
@@ -264,13 +287,16 @@ def print_sweep(report: dict[str, Any], console: Any) -> None:
 
     names = list(report["strategies"])
     table = Table(title=f"bench serve {report['workload']}: TTFT by arrival rate")
+    loaded = "load" in report["sweep"][0]
+    if loaded:
+        table.add_column("load", justify="right")
     table.add_column("rate /s", justify="right")
     for name in names:
         table.add_column(f"{name} TTFT mean / p90 ms", justify="right")
         table.add_column(f"{name} req/s", justify="right")
     table.add_column("TTFT mean speed-up", justify="right")
     for row in report["sweep"]:
-        cells = [f"{row['rate']:g}"]
+        cells = ([f"{row['load']:g}"] if loaded else []) + [f"{row['rate']:g}"]
         for name in names:
             s = row["strategies"][name]
             cells += [f"{_ms(s['ttft_mean_ms'])} / {_ms(s['ttft_p90_ms'])}", f"{s['throughput_rps']:.3f}"]
@@ -351,6 +377,12 @@ def command(
     concurrency: int = typer.Option(DEFAULT_CONCURRENCY, "--concurrency", min=1, help="Concurrent clients."),
     rate: Annotated[list[float] | None, typer.Option(
         "--rate", min=0.001, help="Poisson arrivals per second instead (repeat for a sweep: one run per rate).")] = None,
+    load: Annotated[list[float] | None, typer.Option(
+        "--load", min=0.01, max=4.0,
+        help="Poisson arrivals at this fraction of the original's measured capacity (repeat for a sweep).")] = None,
+    calibrate_requests: int = typer.Option(
+        DEFAULT_CALIBRATE_REQUESTS, "--calibrate-requests", min=1,
+        help="Requests of the closed-loop original run that measures the capacity for --load."),
     requests: int = typer.Option(DEFAULT_REQUESTS, "--requests", min=1, help="Requests per strategy."),
     max_turns: int = typer.Option(DEFAULT_MAX_TURNS, "--max-turns", min=1, help="Turns kept per session."),
     max_tokens: int = typer.Option(8, "--max-tokens", min=1, help="Tokens generated per request."),
@@ -384,11 +416,24 @@ def command(
             raise CpMemoryError("give one --kv-events endpoint per --engine, in the same order")
         if len(set(rate or ())) != len(rate or ()):
             raise CpMemoryError("give each --rate once")
-        rates: list[float | None] = sorted(rate) if rate else [None]
-        total = min(requests, len(trace.requests)) * len(settings.strategies) * rounds * len(rates)
-        reports, ttfts = [], {}
+        if len(set(load or ())) != len(load or ()):
+            raise CpMemoryError("give each --load once")
+        if rate and load:
+            raise CpMemoryError("give --rate or --load, not both")
+        rates: list[tuple[float | None, float | None]] = [(None, one) for one in sorted(rate)] if rate else [(None, None)]
+        per_run = min(requests, len(trace.requests))
+        calibrating = min(calibrate_requests, per_run) if load else 0
+        total = calibrating + per_run * len(settings.strategies) * rounds * len(load or rates)
+        reports, ttfts, capacity = [], {}, None
         with report_module.progress_bar(total, f"serve {trace.name}") as advance:
-            for one_rate in rates:
+            if load:
+                capacity = asyncio.run(measure_capacity(trace, settings, calibrate_requests,
+                                                        lambda name, outcome: advance(1)))
+                rates = [(fraction, one) for fraction, one in load_rates(load, capacity["throughput_rps"])]
+                err.print(f"capacity (original, {capacity['concurrency']} clients, {capacity['requests']} requests): "
+                          f"{capacity['throughput_rps']:.3f} req/s -> rates "
+                          + ", ".join(f"{one:g}/s" for _, one in rates))
+            for fraction, one_rate in rates:
                 ttfts = {name: [] for name in settings.strategies}  # the CDF plots the last (highest) rate
 
                 def progress(name: str, outcome: Outcome, ttfts: dict[str, list[float]] = ttfts) -> None:
@@ -396,7 +441,8 @@ def command(
                         ttfts[name].append(outcome.ttft_ms)
                     advance(1)
 
-                reports.append(asyncio.run(run_serve(trace, settings.model_copy(update={"rate": one_rate}), progress)))
+                one = asyncio.run(run_serve(trace, settings.model_copy(update={"rate": one_rate}), progress))
+                reports.append({**one, "load": fraction, "capacity": capacity} if fraction is not None else one)
     except (CpMemoryError, ImportError, ValueError) as exc:
         err.print(f"[red]error:[/] {escape(str(exc))}", soft_wrap=True)
         raise typer.Exit(code=2) from exc

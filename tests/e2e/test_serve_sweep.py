@@ -32,3 +32,34 @@ def test_a_repeated_rate_is_an_error(processes):
                            "--engine", engine.url, "--rate", "2", "--rate", "2"], capture_output=True, text=True,
                           timeout=120)
     assert done.returncode == 2 and "each --rate once" in done.stderr
+
+
+def test_a_load_sweep_measures_the_original_capacity_first_and_runs_at_fractions_of_it(processes):
+    engines = [processes.engine().start(), processes.engine().start()]
+    args = [sys.executable, "-m", "cpmemory.cli", "bench", "serve", "--workload", "synthetic", "--requests", "6",
+            "--concurrency", "3", "--calibrate-requests", "4", "--load", "0.5", "--load", "0.25", "--timeout", "20",
+            "--engine-timeout", "5", "--json"]
+    for engine in engines:
+        args += ["--engine", engine.url]
+    done = subprocess.run(args, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    capacity = report["capacity"]
+    assert capacity["requests"] == 4 and capacity["concurrency"] == 3 and capacity["errors"] == 0
+    assert capacity["throughput_rps"] > 0
+    rows = report["sweep"]
+    assert [row["load"] for row in rows] == [0.25, 0.5]  # ascending
+    assert [row["rate"] for row in rows] == [round(f * capacity["throughput_rps"], 3) for f in (0.25, 0.5)]
+    for row in rows:
+        for figures in row["strategies"].values():
+            assert figures["errors"] == 0 and figures["lost_blocks"] == 0
+    assert report["load"] == 0.5 and report["settings"]["rate"] == rows[-1]["rate"]
+    assert "capacity (original, 3 clients, 4 requests)" in done.stderr
+
+
+def test_rate_and_load_together_are_an_error(processes):
+    engine = processes.engine().start()
+    done = subprocess.run([sys.executable, "-m", "cpmemory.cli", "bench", "serve", "--workload", "synthetic",
+                           "--engine", engine.url, "--rate", "2", "--load", "0.5"], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 2 and "--rate or --load, not both" in done.stderr
