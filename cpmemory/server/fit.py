@@ -558,7 +558,11 @@ class CacheFit:
                    if live.in_flight == 0 and live.idle_since is not None]
         grace = self._grace()
         wakeups += [quiet + grace for quiet in self._quiet_since.values()]
-        if not wakeups:
+        # A time already past was seen by the pump that just ran (an idle conversation whose own turn waits is not
+        # expired; a quiet replica's grace is for new conversations): re-arming for it would pump every millisecond
+        # until the waiter is served. Every other change (a turn admitted or ended, a move) pumps by itself.
+        now = self._clock()
+        upcoming = [wakeup for wakeup in wakeups if wakeup > now]
+        if not upcoming:
             return
-        delay = max(0.0, min(wakeups) - self._clock()) + 0.001
-        self._timer = asyncio.get_running_loop().call_later(delay, self._pump)
+        self._timer = asyncio.get_running_loop().call_later(min(upcoming) - now + 0.001, self._pump)
