@@ -152,6 +152,7 @@ class Dispatcher:
         while True:
             decision = self._choose(key, tried, hint)
             self.router.begin(decision.url)
+            self.router.record(key, decision, hint.prompt, sticky=hint.remember)
             started = time.perf_counter()
             try:
                 result = await send(decision.url)
@@ -168,7 +169,6 @@ class Dispatcher:
                 waited += time.perf_counter() - started
             if not keep_in_flight:
                 self.router.end(decision.url)
-            self.router.record(key, decision, hint.prompt, sticky=hint.remember)
             if self._on_decision is not None:
                 self._on_decision(decision)
             return result, decision, len(tried), waited

@@ -14,6 +14,13 @@ Two views implement :class:`PrefixView` (a seam: the shared decision state may g
   for a prompt's token ids). A replica whose events are out of sequence (a lost batch) or missing (requests that
   should have stored blocks, and no event for ``missing_after_s``) has its view cleared and is *unsynced*: it scores
   by load only until it resyncs (an ``AllBlocksCleared``, or ``resync_after_s`` of in-sequence events after the gap).
+  A prompt sent to a replica counts there as *pending* until its blocks are reported stored (or for ``pending_s``):
+  the events come only once the engine has prefilled it, and a burst routed before that (many clients at once, a
+  released hold) must still follow the first call that carries a prefix instead of scattering as cold.
+
+Both views know a prompt from the moment it is routed (``Dispatcher`` records the decision before the engine
+answers): under load the engine accepts a stream at once but prefills it seconds or minutes later, and every call
+routed in between would otherwise find nothing of the calls before it.
 
 Scoring (the facts llm-d and SGLang publish, not their code): ``score = prefix_weight * cached_fraction
 - queue_weight * in_flight / max_in_flight - kv_weight * kv_utilisation``. llm-d weighs prefix 2 / queue 1 / KV 1;
@@ -189,6 +196,7 @@ class _EventCache:
     state: SyncState = "synced"
     unsynced_since: float | None = None
     awaiting_since: float | None = None  # oldest send that should have produced events, none seen since
+    pending: OrderedDict[int, float] = field(default_factory=OrderedDict)  # sent, not yet stored: key -> deadline
     stats: ReplicaSyncStats = field(default_factory=ReplicaSyncStats)
 
 
@@ -196,7 +204,7 @@ class EventPrefixView:
     """The replicas' caches mirrored from their KV events. Thread-safe (subscriber threads write, the router reads)."""
 
     def __init__(self, replicas: int, capacity_blocks: Sequence[int | None] | None = None, *,
-                 resync_after_s: float = 30.0, missing_after_s: float = 10.0,
+                 resync_after_s: float = 30.0, missing_after_s: float = 10.0, pending_s: float = 120.0,
                  clock: Callable[[], float] = time.monotonic) -> None:
         """Args:
             replicas: number of replicas (index = position in the router).
@@ -204,12 +212,16 @@ class EventPrefixView:
                 the KV-utilisation term; None where unknown.
             resync_after_s: after a sequence gap, how long in-sequence events must flow before the view is trusted.
             missing_after_s: how long a send that should store blocks may go without any event.
+            pending_s: how long a sent prompt's blocks count as cached on its replica before the events report them
+                stored (the engine's queue: a call waits there before its prefill); stored or removed, the events
+                decide.
             clock: monotonic seconds (tests pass a fake).
         """
         self._caches = [_EventCache() for _ in range(replicas)]
         self._capacity = list(capacity_blocks or [None] * replicas)
         self.resync_after_s = resync_after_s
         self.missing_after_s = missing_after_s
+        self.pending_s = pending_s
         self._clock = clock
         self._lock = threading.Lock()
 
@@ -226,15 +238,19 @@ class EventPrefixView:
         return self._caches[replica].stats
 
     def matched_blocks(self, replica: int, prompt: PromptBlocks) -> int:
-        """Leading blocks of ``prompt`` the replica reported stored; 0 while it is unsynced."""
+        """Leading blocks of ``prompt`` the replica reported stored or was sent and has not stored yet (pending); 0
+        while it is unsynced."""
         if not self.synced(replica):
             return 0
-        blocks = self._caches[replica].blocks
-        count = 0
-        for key in prompt.keys:
-            if key not in blocks:
-                break
-            count += 1
+        cache = self._caches[replica]
+        blocks, pending = cache.blocks, cache.pending
+        with self._lock:
+            self._expire(cache, self._clock())
+            count = 0
+            for key in prompt.keys:
+                if key not in blocks and key not in pending:
+                    break
+                count += 1
         return count
 
     def utilisation(self, replica: int) -> float:
@@ -256,12 +272,33 @@ class EventPrefixView:
             return cache.state == "synced"
 
     def record(self, replica: int, prompt: PromptBlocks) -> None:
-        """A prompt was sent: if the view lacks some of its blocks, events must follow within ``missing_after_s``."""
+        """A prompt was sent: the blocks the view lacks are pending until stored (at most ``pending_s``), and events
+        must follow within ``missing_after_s``."""
         cache = self._caches[replica]
-        if self.matched_blocks(replica, prompt) < len(prompt.keys):
-            with self._lock:
-                if cache.awaiting_since is None:
-                    cache.awaiting_since = self._clock()
+        with self._lock:
+            now = self._clock()
+            missing = [key for key in prompt.keys if key not in cache.blocks]
+            if not missing:
+                return
+            if cache.awaiting_since is None:
+                cache.awaiting_since = now
+            if cache.state != "synced":
+                return
+            deadline = now + self.pending_s
+            for key in missing:
+                cache.pending[key] = deadline
+                cache.pending.move_to_end(key)
+            self._expire(cache, now)
+
+    @staticmethod
+    def _expire(cache: _EventCache, now: float) -> None:
+        """Drop pending keys past their deadline (deadlines grow in insertion order). Call with the lock held."""
+        pending = cache.pending
+        while pending:
+            key, deadline = next(iter(pending.items()))
+            if deadline > now:
+                break
+            del pending[key]
 
     # -- called by the subscriber threads through _ReplicaHandler ---------------------------------------------
     def apply(self, replica: int, batch: EventBatch) -> None:
@@ -273,12 +310,15 @@ class EventPrefixView:
             for event in batch.events:
                 if isinstance(event, BlockStored):
                     cache.blocks.update(event.block_hashes)
+                    for key in event.block_hashes:
+                        cache.pending.pop(key, None)
                     cache.stats.stored_blocks += len(event.block_hashes)
                 elif isinstance(event, BlockRemoved):
                     cache.blocks.difference_update(event.block_hashes)
                     cache.stats.removed_blocks += len(event.block_hashes)
                 elif isinstance(event, AllBlocksCleared):
                     cache.blocks.clear()
+                    cache.pending.clear()
                     cache.stats.clears += 1
                     if cache.state == "unsynced":  # the engine's cache is known again: empty
                         self._resync(cache)
@@ -293,6 +333,7 @@ class EventPrefixView:
 
     def _unsync(self, cache: _EventCache, now: float) -> None:
         cache.blocks.clear()
+        cache.pending.clear()
         cache.state = "unsynced"
         cache.unsynced_since = now
 

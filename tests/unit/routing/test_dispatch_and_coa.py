@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from cpmemory.errors import EngineStatusError, NoHealthyReplicaError
 from cpmemory.routing.chain_of_agents import ChainOfAgents, ChainOfAgentsConfig, split_chunks
-from cpmemory.routing.dispatch import Dispatcher
+from cpmemory.routing.dispatch import Dispatcher, RouteHint
 from cpmemory.routing.router import Router
 
 URLS = ["http://r0", "http://r1", "http://r2"]
@@ -103,3 +103,48 @@ def test_chain_of_agents_fails_over_mid_job(fleet) -> None:
     result = asyncio.run(coa.run("job-x", "task", "word " * 60))
     assert len(result.replicas) == 2 and len(result.calls) == len(split_chunks("word " * 60, 50)) + 1
     assert router.healthy_count() == 2
+
+
+class _SlowAcceptTransport:
+    """An engine that accepts a call only when told to (vLLM under load answers the stream's headers late)."""
+
+    def __init__(self, expected: int) -> None:
+        self.accept = asyncio.Event()
+        self.all_sent = asyncio.Event()
+        self.expected = expected
+        self.sent: list[str] = []
+
+    async def complete(self, url, payload, headers, timeout_s):  # type: ignore[no-untyped-def]
+        self.sent.append(url)
+        if len(self.sent) == self.expected:
+            self.all_sent.set()
+        await self.accept.wait()
+        return {"choices": [{"message": {"role": "assistant", "content": "ok"}}]}
+
+
+@pytest.mark.parametrize("view_kind", ["sent", "events"])
+def test_calls_routed_before_the_first_is_accepted_follow_its_prefix(view_kind: str) -> None:
+    """A burst (a hold released, many clients at once) is routed before any engine has answered (and, with KV
+    events, before any block is stored): each call's prompt is in the router's view from the moment it is routed,
+    so the later calls that share its prefix go to its replica instead of being spread as cold by load. The same
+    contract for both views."""
+    from cpmemory.routing.prefix import EventPrefixView, SentPrefixView, text_blocks
+    from cpmemory.routing.router import RouterConfig
+
+    transport = _SlowAcceptTransport(expected=4)
+    view = SentPrefixView(2, 100_000) if view_kind == "sent" else EventPrefixView(2)
+    router = Router(["http://r0", "http://r1"], RouterConfig(policy="prefix"), view=view)
+    dispatcher = Dispatcher(router, transport)  # type: ignore[arg-type]
+    shared = [{"role": "system", "content": "a long shared memory block " * 80}]
+    prompts = [text_blocks([*shared, {"role": "user", "content": f"question {i}"}]) for i in range(4)]
+
+    async def burst() -> list[str]:
+        calls = [asyncio.create_task(dispatcher.complete(f"q{i}", PAYLOAD, hint=RouteHint(prompt=prompt)))
+                 for i, prompt in enumerate(prompts)]
+        await asyncio.wait_for(transport.all_sent.wait(), timeout=5)
+        transport.accept.set()
+        return [result.decision.reason for result in await asyncio.gather(*calls)]
+
+    reasons = asyncio.run(burst())
+    assert len(set(transport.sent)) == 1, transport.sent
+    assert reasons == ["cold", "prefix", "prefix", "prefix"]

@@ -121,6 +121,26 @@ def test_cached_prompt_sends_expect_no_event() -> None:
     assert view.synced(0)
 
 
+def test_a_sent_prompt_is_pending_until_its_blocks_are_stored_or_its_time_is_up() -> None:
+    """The engine stores a prompt's blocks only after its queue and prefill: until then the view counts them as
+    pending on the replica it was sent to; the events decide once they come, and an unstored send expires."""
+    clock = Clock()
+    view = EventPrefixView(2, pending_s=60.0, missing_after_s=1_000.0, clock=clock)
+    view.record(0, prompt(1, 2, 3))
+    assert view.matched_blocks(0, prompt(1, 2, 9)) == 2 and view.matched_blocks(1, prompt(1, 2)) == 0
+    view.apply(0, EventBatch(1, 0.0, (BlockStored((1, 2), None, (0, 0, 0, 0), 2),)))
+    clock.now = 61.0  # block 3 was never stored: its pending time is up; 1 and 2 are the engine's now
+    assert view.matched_blocks(0, prompt(1, 2, 3)) == 2
+    view.apply(0, EventBatch(2, 0.0, (BlockRemoved((2,)),)))
+    assert view.matched_blocks(0, prompt(1, 2, 3)) == 1
+    view.record(0, prompt(7, 8))
+    view.gap(0)  # lost events: nothing is trusted, pending included
+    clock.now = 62.0
+    assert view.matched_blocks(0, prompt(7, 8)) == 0
+    view.apply(0, EventBatch(9, 0.0, (AllBlocksCleared(),)))
+    assert view.synced(0) and view.matched_blocks(0, prompt(7, 8)) == 0
+
+
 def test_tee_runs_every_handler_even_when_one_fails() -> None:
     seen: list[int] = []
 
