@@ -31,6 +31,11 @@ from cpmemory.bench.load import percentile
 from cpmemory.bench.trace import TraceRequest
 from cpmemory.facade import AsyncCpMemory
 
+MOCK_BLOCK_SIZE = 16
+"""Tokens per block of the mock replicas (a token is a byte there)."""
+MOCK_CHARS_PER_TOKEN = 4
+"""The proxy's unit: characters per token (ServerConfig.memory.chars_per_token)."""
+
 HOLD_WORKLOADS = ("multihop", "synthetic", "locomo", "locomo_sessions", "synthetic300")
 
 
@@ -103,10 +108,13 @@ async def run_once(requests: Sequence[TraceRequest], settings: Mapping[str, Any]
     from cpmemory.server.app import ServerConfig, create_app
     from cpmemory.testing.fleet import MockFleet
 
-    fleet = MockFleet(settings["replicas"], block_size=16, capacity_blocks=settings["capacity_blocks"])
+    fleet = MockFleet(settings["replicas"], block_size=MOCK_BLOCK_SIZE, capacity_blocks=settings["capacity_blocks"])
     transport = PacedTransport(fleet.chat_transport(), settings["slots"], settings["service_ms"] / 1000.0)
     hold_ms = configuration["hold_ms"]
     extra = {} if hold_ms is None else {"max_in_flight": settings["slots"], "hold_ms": hold_ms}
+    # the proxy knows each replica's cache, as it reads it from vLLM's /metrics: in its unit of 4 characters a
+    # token (the mock counts a byte a token), for the router's sent view and the hold planner's model of the cache
+    extra["replica_cache_tokens"] = int(settings["capacity_blocks"] * MOCK_BLOCK_SIZE / MOCK_CHARS_PER_TOKEN)
     app = create_app(ServerConfig(engines=fleet.urls, **extra), memory=AsyncCpMemory() if configuration["planner"] else FcfsMemory(),
                      transport=transport)
     client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://proxy", timeout=600)
@@ -233,7 +241,7 @@ def command(
     trace = load_workload(workload, data_dir)
     chosen = list(trace.requests[:requests])
     settings = {"clients": clients, "slots": slots, "service_ms": service_ms, "replicas": replicas,
-                "capacity_blocks": capacity_blocks(chosen, capacity, 16)}
+                "capacity_blocks": capacity_blocks(chosen, capacity, MOCK_BLOCK_SIZE)}
     runs = asyncio.run(run_all(chosen, settings, configurations(holds, fcfs), rounds, quiet=json_output))
     report = {"workload": workload, "requests": len(chosen), **settings, "capacity": capacity, "rounds": rounds,
               "summary": summarize(runs), "runs": runs}

@@ -67,6 +67,8 @@ async def in_process_proxy(settings: ServeSettings, cache_tokens: int | None = N
     config = ServerConfig(engines=list(settings.engines), upstream=settings.upstream,
                           kv_events=list(settings.kv_events), engine_timeout_s=settings.engine_timeout_s, fit=fit,
                           fit_move=fit_move, **({"fit_fill": settings.fit_fill} if settings.fit_fill else {}),
+                          **({"max_in_flight": settings.max_in_flight} if settings.max_in_flight else {}),
+                          **({"hold_ms": settings.hold_ms} if settings.hold_ms is not None else {}),
                           tokenizer=settings.tokenizer, cache_salt=settings.cache_salt,
                           upstream_session=settings.upstream_session and settings.upstream is not None,
                           **({"replica_cache_tokens": cache_tokens} if cache_tokens else {}))
@@ -366,6 +368,12 @@ def command(
     tokenizer: str | None = typer.Option(None, "--tokenizer", help="The proxy's local tokenizer (serve --tokenizer)."),
     fit_fill: float | None = typer.Option(None, "--fit-fill", min=0.01, max=1.0,
                                           help="The in-process proxy's cache-fit fill (serve --fit-fill; default 0.9)."),
+    max_in_flight: int | None = typer.Option(
+        None, "--max-in-flight", min=1,
+        help="The in-process proxy's hold queue: requests per replica before it holds and plans them (serve "
+             "--max-in-flight; default off)."),
+    hold_ms: float | None = typer.Option(None, "--hold-ms", min=0.0,
+                                         help="The hold queue's longest wait (serve --hold-ms; default 5)."),
     upstream_session: bool = typer.Option(
         False, "--upstream-session", help="Both strategies name each conversation to --upstream (session_params)."),
     cache_salt: bool = typer.Option(True, "--cache-salt/--no-cache-salt",
@@ -407,7 +415,7 @@ def command(
         trace = _load(trace_file, workload, data_dir, multi_turn)
         settings = ServeSettings(
             engines=tuple(engine), upstream=upstream, proxy=proxy, kv_events=tuple(kv_events or ()), tokenizer=tokenizer,
-            fit_fill=fit_fill,
+            fit_fill=fit_fill, max_in_flight=max_in_flight, hold_ms=hold_ms,
             cache_salt=cache_salt, upstream_session=upstream_session, original_routing=original_routing,
             concurrency=concurrency, rate=min(rate) if rate else None, requests=requests, max_turns=max_turns, max_tokens=max_tokens,
             timeout_s=timeout, engine_timeout_s=engine_timeout, model=model, seed=seed, rounds=rounds,

@@ -33,6 +33,7 @@ PROXY_SAMPLES = {
     "cpmemory_fit_wait_seconds_sum": "fit_wait_s", "cpmemory_fit_wait_seconds_count": "fit_waits",
     "cpmemory_local_tokenizer": "local_tokenizer",
     "cpmemory_fit_idle_window_seconds": "idle_window_s",
+    "cpmemory_hold_held_total": "hold_held", "cpmemory_hold_seconds_sum": "hold_wait_s",
 }
 GAUGES = ("local_tokenizer", "idle_window_s")
 """Samples that are states, not counters: a delta keeps the later value, pooled rounds the largest."""
@@ -43,7 +44,8 @@ PER_ENGINE = ("prefill_s", "queue_s", "computed_tokens")
 # counters kept per label value: sample name -> (key prefix, label)
 GROUPED = {"cpmemory_route_decisions_total": ("route_", "reason"), "cpmemory_fallbacks_total": ("fallback_", "kind"),
            "cpmemory_fit_admissions_total": ("fit_", "reason"),
-           "cpmemory_gateway_attributions_total": ("served_on_", "replica")}
+           "cpmemory_gateway_attributions_total": ("served_on_", "replica"),
+           "cpmemory_hold_releases_total": ("holdwin_", "order")}
 
 
 def totals(text: str, wanted: Mapping[str, str]) -> dict[str, float]:
@@ -150,4 +152,7 @@ def proxy_summary(raw: Mapping[str, float] | None) -> dict[str, Any] | None:
             "fit_wait_per_request_ms": round(1000.0 * raw.get("fit_wait_s", 0.0) / count, 1) if count else None,
             "gateway_attributions": grouped("served_on_"),
             "fit_idle_window_ms": round(1000.0 * raw["idle_window_s"], 1) if raw.get("idle_window_s") else None,
-            "local_tokenizer": bool(raw.get("local_tokenizer"))}
+            "local_tokenizer": bool(raw.get("local_tokenizer")),
+            "hold_held": int(raw.get("hold_held", 0)),
+            "hold_wait_per_request_ms": round(1000.0 * raw.get("hold_wait_s", 0.0) / count, 1) if count else None,
+            "hold_windows": grouped("holdwin_")}

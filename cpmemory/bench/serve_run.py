@@ -53,6 +53,8 @@ class ServeSettings(BaseModel):
     cache_salt: bool = Field(True, description="the in-process proxy sends tenant cache salts (serve --no-cache-salt)")
     tokenizer: str | None = Field(None, description="the in-process proxy's local tokenizer (cpmemory serve --tokenizer)")
     fit_fill: float | None = Field(None, gt=0, le=1, description="the in-process proxy's --fit-fill (None: its default)")
+    max_in_flight: int | None = Field(None, ge=1, description="the in-process proxy's --max-in-flight (hold queue)")
+    hold_ms: float | None = Field(None, ge=0, description="the in-process proxy's --hold-ms (with max_in_flight)")
     concurrency: int = Field(8, ge=1, le=4096)
     rate: float | None = Field(None, gt=0, description="Poisson arrivals per second (instead of concurrency)")
     requests: int = Field(64, ge=1)
@@ -358,3 +360,8 @@ def validate(settings: ServeSettings) -> None:
             raise InvalidInputError(f"{own} starts its own proxy: it cannot run with --proxy")
     if settings.proxy is not None and settings.fit_fill is not None:
         raise InvalidInputError("--fit-fill sets the in-process proxy: give it to the running proxy (serve --fit-fill)")
+    if settings.proxy is not None and (settings.max_in_flight is not None or settings.hold_ms is not None):
+        raise InvalidInputError("--max-in-flight and --hold-ms set the in-process proxy: give them to the running proxy "
+                                "(serve --max-in-flight --hold-ms)")
+    if settings.hold_ms is not None and settings.max_in_flight is None:
+        raise InvalidInputError("--hold-ms needs --max-in-flight (the hold queue is off without it)")

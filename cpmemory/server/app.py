@@ -454,8 +454,14 @@ async def _respond(service: ProxyService, request: ChatCompletionRequest, tenant
     except EngineError as error:
         return _engine_error(error)
     try:
+        await admission.in_turn()  # a released window reaches the engines in its planned order
+        if not request.stream:
+            admission.sent()  # nothing to wait for: the answer is the whole call
         if request.stream:
-            opened = replace(await service.open_turn_stream(request, tenant, turn, prepared), admission=admission)
+            try:
+                opened = replace(await service.open_turn_stream(request, tenant, turn, prepared), admission=admission)
+            finally:
+                admission.sent()
             headers = {"X-Cpmemory-Request-Id": engine_request_id(prepared),
                        "X-Cpmemory-Replica": str(opened.decision.index)}
             overhead = time.perf_counter() - started - opened.engine_seconds - opened.fit.waited_s
@@ -561,11 +567,16 @@ async def _plain(service: ProxyService, request: ChatCompletionRequest, tenant: 
     from fastapi.responses import JSONResponse, StreamingResponse
     from starlette.background import BackgroundTask
 
+    await admission.in_turn()
     if request.stream:
-        opened = replace(await service.open_pass_through_stream(request, tenant), admission=admission)
+        try:
+            opened = replace(await service.open_pass_through_stream(request, tenant), admission=admission)
+        finally:
+            admission.sent()
         overhead = time.perf_counter() - started - opened.engine_seconds
         return StreamingResponse(service.relay_stream(opened, None, overhead), media_type="text/event-stream",
                                  background=BackgroundTask(opened.release))
+    admission.sent()
     result = await service.pass_through(request, tenant)
     service.metrics.overhead.observe(max(0.0, time.perf_counter() - started - result.engine_seconds))
     return JSONResponse(result.response)

@@ -25,11 +25,19 @@ A release hands out *every* held request, even past the bound: the hold is a sho
 engine queue (the engine still queues what it cannot run, now in the planner's order). Nothing is ever lost or
 starved: a held request waits at most ``hold_s`` (plus the loop's latency); one whose waiter is cancelled (the
 client went away) is removed, and one cancelled just after its release gives its slot back. The planner failing
-(or missing) releases the window first come first served. Use from one event loop.
+(or missing) releases the window first come first served.
+
+The engine queues a window in the order its requests *reach* it. Released at once, they are prepared and open their
+connections side by side, and reach the engine in whatever order that took (measured on two vLLM replicas: a window
+of 60 planned LoCoMo questions cached 36% of its prompt tokens, where the same plan in a simulator of the engine's
+cache caches 54%). So each released request waits (``Admission.in_turn``, at most ``SEND_TURN_S``) until the one
+before it in the window was sent (``Admission.sent``: the engine accepted the call), and the engine queues the
+window in the planned order. Use from one event loop.
 """
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -38,6 +46,9 @@ from typing import Literal, Protocol
 from cpmemory.core.blocks import Block
 
 logger = logging.getLogger(__name__)
+
+SEND_TURN_S = 1.0
+"""The longest a released request waits for the one before it to be sent (a slow preparation, a cache-fit wait)."""
 
 AdmissionReason = Literal["immediate", "slot", "timeout"]
 ReleaseOrder = Literal["planner", "fcfs"]
@@ -91,9 +102,25 @@ class Admission:
     waited_s: float = 0.0
     position: int = 0
     _queue: HoldQueue | None = field(default=None, repr=False)
+    _after: asyncio.Event | None = field(default=None, repr=False)  # the previous request of its release was sent
+    _sent: asyncio.Event | None = field(default=None, repr=False)
+
+    async def in_turn(self, timeout_s: float = SEND_TURN_S) -> None:
+        """Wait until the request released before this one (in the window's order) has been sent to its engine, at
+        most ``timeout_s``: the engines then queue the window in the planned order, where requests released at once
+        and prepared and connected side by side would reach them in whatever order their connections opened."""
+        if self._after is not None and not self._after.is_set():
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._after.wait(), timeout_s)
+
+    def sent(self) -> None:
+        """The request reached its engine (or will not): the next one of its release may go. Idempotent."""
+        if self._sent is not None:
+            self._sent.set()
 
     def done(self) -> None:
         """The request's engine call ended (or it will not be sent): give its slot back. Idempotent."""
+        self.sent()
         queue, self._queue = self._queue, None
         if queue is not None:
             queue._finished()
@@ -212,11 +239,14 @@ class HoldQueue:
         order, planned = self._order(window)
         now = asyncio.get_running_loop().time()
         waits = []
+        previous: asyncio.Event | None = None
         for position, index in enumerate(order):
             entry = window[index]
             waits.append(now - entry.arrived)
             self._admitted += 1
-            entry.future.set_result(Admission(reason, waits[-1], position, self))
+            sent = asyncio.Event()
+            entry.future.set_result(Admission(reason, waits[-1], position, self, previous, sent))
+            previous = sent
         self._observer.released(reason, "planner" if planned else "fcfs", waits)
 
     def _order(self, window: list[_Held]) -> tuple[list[int], bool]:

@@ -265,6 +265,10 @@ cpmemory_gateway_attributions_total{replica="0"} 4.0
 cpmemory_gateway_attributions_total{replica="unknown"} 2.0
 cpmemory_local_tokenizer 1.0
 cpmemory_fit_idle_window_seconds 0.3125
+cpmemory_hold_held_total 6.0
+cpmemory_hold_seconds_sum 2.0
+cpmemory_hold_releases_total{reason="slot",order="planner"} 2.0
+cpmemory_hold_releases_total{reason="timeout",order="fcfs"} 1.0
 """
     after = totals(text, PROXY_SAMPLES)
     summary = proxy_summary(delta({}, after))
@@ -272,7 +276,8 @@ cpmemory_fit_idle_window_seconds 0.3125
                        "overhead_mean_ms": 50.0, "kv_sync_failures": 1, "fit_admissions": {"live": 7, "room": 3},
                        "fit_wait_mean_ms": 500.0, "fit_wait_per_request_ms": 150.0,
                        "gateway_attributions": {"0": 4, "unknown": 2},
-                       "fit_idle_window_ms": 312.5, "local_tokenizer": True}
+                       "fit_idle_window_ms": 312.5, "local_tokenizer": True,
+                       "hold_held": 6, "hold_wait_per_request_ms": 200.0, "hold_windows": {"planner": 2, "fcfs": 1}}
     # states, not counters: found before the run (the same before and after) is still found
     assert proxy_summary(delta(after, after))["local_tokenizer"] is True
     assert proxy_summary(delta(after, after))["fit_idle_window_ms"] == 312.5
@@ -347,3 +352,8 @@ def test_ablations_start_their_own_proxy_and_unknown_strategies_are_refused(stra
         validate(ServeSettings(engines=["http://e"], strategies=["cpmemory-nothing"]))
     with pytest.raises(InvalidInputError, match="in-process proxy"):
         validate(ServeSettings(engines=["http://e"], proxy="http://p", strategies=["cpmemory"], fit_fill=0.95))
+    with pytest.raises(InvalidInputError, match="in-process proxy"):
+        validate(ServeSettings(engines=["http://e"], proxy="http://p", strategies=["cpmemory"], max_in_flight=2))
+    with pytest.raises(InvalidInputError, match="needs --max-in-flight"):
+        validate(ServeSettings(engines=["http://e"], strategies=["cpmemory"], hold_ms=50))
+    validate(ServeSettings(engines=["http://e"], strategies=["cpmemory"], max_in_flight=2, hold_ms=50))

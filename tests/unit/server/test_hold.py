@@ -224,3 +224,35 @@ async def test_with_the_facade_as_planner_the_window_s_shared_blocks_lead():
     turns = [await memory.prepare(f"c{name}", "q", window[int(name)], tenant="t") for name, _ in admitted]
     assert set(turns[0].prompt_order[:2]) == {"2", "3"} and turns[2].prompt_order[:2] == turns[0].prompt_order[:2]
     assert turns[3].prompt_order[:2] == turns[1].prompt_order
+
+
+async def test_a_released_window_is_sent_in_its_planned_order():
+    """Released together, the requests would reach the engines in whatever order their preparation and connections
+    took: each waits until the one before it in the window was sent, and a request that is never sent (it failed,
+    its client went away) does not hold the rest back."""
+    queue = HoldQueue(1, LONG, planner=reverse_planner([]))
+    running = queue.try_admit()
+    tasks, admitted = await start_waiters(queue, [("a", blocks(1)), ("b", blocks(2)), ("c", blocks(3))])
+    running.done()
+    await asyncio.gather(*tasks)
+    by_name = dict(admitted)
+    order: list[str] = []
+
+    async def send(name: str, delay: float) -> None:
+        await asyncio.sleep(delay)  # a slower preparation than the ones released after it
+        await by_name[name].in_turn(timeout_s=5)
+        order.append(name)
+        by_name[name].sent()
+
+    await asyncio.wait_for(asyncio.gather(send("c", 0.05), send("b", 0.0), send("a", 0.0)), timeout=5)
+    assert order == ["c", "b", "a"]  # the planner's order, though b and a were ready first
+    # a request released and never sent gives way at once (done), and a lost turn costs at most the timeout
+    queue2 = HoldQueue(1, LONG, planner=reverse_planner([]))
+    running2 = queue2.try_admit()
+    tasks2, admitted2 = await start_waiters(queue2, [("a", blocks(1)), ("b", blocks(2)), ("c", blocks(3))])
+    running2.done()
+    await asyncio.gather(*tasks2)
+    first, second, third = (admission for _, admission in admitted2)
+    first.done()  # it failed before it was sent
+    await asyncio.wait_for(second.in_turn(timeout_s=5), timeout=1)
+    await asyncio.wait_for(third.in_turn(timeout_s=0.05), timeout=1)  # second never says sent: the wait is bounded
