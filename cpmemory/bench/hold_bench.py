@@ -34,7 +34,10 @@ from cpmemory.facade import AsyncCpMemory
 MOCK_BLOCK_SIZE = 16
 """Tokens per block of the mock replicas (a token is a byte there)."""
 MOCK_CHARS_PER_TOKEN = 4
-"""The proxy's unit: characters per token (ServerConfig.memory.chars_per_token)."""
+"""The proxy's unit: characters per token (``ServerConfig.memory.chars_per_token``). The proxy is told each mock
+replica's cache in it (``replica_cache_tokens``), as it reads a vLLM replica's from ``/metrics``: the hold planner
+plans a window that outgrows the caches as a batch, and the router's sent view is bounded by it. Cache-fit admission
+is sized by it too, which does not matter here: every request is a lone question, sent at once."""
 
 HOLD_WORKLOADS = ("multihop", "synthetic", "locomo", "locomo_sessions", "synthetic300")
 
