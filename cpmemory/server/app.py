@@ -454,14 +454,9 @@ async def _respond(service: ProxyService, request: ChatCompletionRequest, tenant
     except EngineError as error:
         return _engine_error(error)
     try:
-        await admission.in_turn()  # a released window reaches the engines in its planned order
-        if not request.stream:
-            admission.sent()  # nothing to wait for: the answer is the whole call
         if request.stream:
-            try:
+            async with admission.sending():  # a released window reaches the engines in its planned order
                 opened = replace(await service.open_turn_stream(request, tenant, turn, prepared), admission=admission)
-            finally:
-                admission.sent()
             headers = {"X-Cpmemory-Request-Id": engine_request_id(prepared),
                        "X-Cpmemory-Replica": str(opened.decision.index)}
             overhead = time.perf_counter() - started - opened.engine_seconds - opened.fit.waited_s
@@ -469,6 +464,8 @@ async def _respond(service: ProxyService, request: ChatCompletionRequest, tenant
             return StreamingResponse(service.relay_stream(opened, prepared, overhead),
                                      media_type="text/event-stream", headers=headers,
                                      background=BackgroundTask(opened.release))
+        async with admission.sending():  # the answer is the whole call: the next one goes as it starts
+            pass
         outcome = await service.run_turn(request, tenant, turn, prepared, started)
     except InvalidInputError as error:  # e.g. text that cannot be encoded; the turn was aborted
         return error_response(400, "invalid_request_error", "invalid_input", str(error))
@@ -567,16 +564,14 @@ async def _plain(service: ProxyService, request: ChatCompletionRequest, tenant: 
     from fastapi.responses import JSONResponse, StreamingResponse
     from starlette.background import BackgroundTask
 
-    await admission.in_turn()
     if request.stream:
-        try:
+        async with admission.sending():
             opened = replace(await service.open_pass_through_stream(request, tenant), admission=admission)
-        finally:
-            admission.sent()
         overhead = time.perf_counter() - started - opened.engine_seconds
         return StreamingResponse(service.relay_stream(opened, None, overhead), media_type="text/event-stream",
                                  background=BackgroundTask(opened.release))
-    admission.sent()
+    async with admission.sending():
+        pass
     result = await service.pass_through(request, tenant)
     service.metrics.overhead.observe(max(0.0, time.perf_counter() - started - result.engine_seconds))
     return JSONResponse(result.response)

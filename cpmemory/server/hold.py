@@ -39,7 +39,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
@@ -117,6 +117,16 @@ class Admission:
         """The request reached its engine (or will not): the next one of its release may go. Idempotent."""
         if self._sent is not None:
             self._sent.set()
+
+    @contextlib.asynccontextmanager
+    async def sending(self) -> AsyncIterator[None]:
+        """Wait for the request's turn in its release (:meth:`in_turn`), then send it inside the block: leaving it,
+        however it ends, lets the next one go (:meth:`sent`)."""
+        await self.in_turn()
+        try:
+            yield
+        finally:
+            self.sent()
 
     def done(self) -> None:
         """The request's engine call ended (or it will not be sent): give its slot back. Idempotent."""
