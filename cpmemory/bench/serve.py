@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import sys
 import uuid
@@ -35,6 +36,7 @@ from cpmemory.bench.serve_run import (
     StrategyRun,
     check_losses,
     replay,
+    request_record,
     select_jobs,
     validate,
 )
@@ -402,6 +404,10 @@ def command(
     seed: int = typer.Option(0, "--seed", help="Seed of the Poisson arrivals."),
     rounds: int = typer.Option(1, "--rounds", min=1, max=10, help="Repeat the strategies (ABBA order), pooled."),
     plot: Path | None = typer.Option(None, "--plot", help="Write the TTFT CDF per strategy (PNG)."),
+    per_request: Path | None = typer.Option(
+        None, "--per-request",
+        help="Write every request of every run (strategy, conversation, turn, replica, send time, TTFT, latency, "
+             "prompt and cached tokens, error) to this file, one JSON object a line."),
     json_output: bool = typer.Option(False, "--json", help="Print one JSON object on stdout."),
 ) -> None:
     """Replay a trace through the proxy and straight to the engines; print TTFT, throughput, errors, lost blocks."""
@@ -433,6 +439,7 @@ def command(
         calibrating = min(calibrate_requests, per_run) if load else 0
         total = calibrating + per_run * len(settings.strategies) * rounds * len(load or rates)
         reports, ttfts, capacity = [], {}, None
+        records: list[dict[str, Any]] = []
         with report_module.progress_bar(total, f"serve {trace.name}") as advance:
             if load:
                 capacity = asyncio.run(measure_capacity(trace, settings, calibrate_requests,
@@ -444,9 +451,11 @@ def command(
             for fraction, one_rate in rates:
                 ttfts = {name: [] for name in settings.strategies}  # the CDF plots the last (highest) rate
 
-                def progress(name: str, outcome: Outcome, ttfts: dict[str, list[float]] = ttfts) -> None:
+                def progress(name: str, outcome: Outcome, ttfts: dict[str, list[float]] = ttfts,
+                             one_rate: float | None = one_rate) -> None:
                     if outcome.ttft_ms is not None:
                         ttfts[name].append(outcome.ttft_ms)
+                    records.append(request_record(name, outcome, one_rate))
                     advance(1)
 
                 one = asyncio.run(run_serve(trace, settings.model_copy(update={"rate": one_rate}), progress))
@@ -454,6 +463,8 @@ def command(
     except (CpMemoryError, ImportError, ValueError) as exc:
         err.print(f"[red]error:[/] {escape(str(exc))}", soft_wrap=True)
         raise typer.Exit(code=2) from exc
+    if per_request is not None:
+        per_request.write_text("".join(json.dumps(record) + "\n" for record in records))
     report = reports[-1] if len(reports) == 1 else {**reports[-1], "sweep": sweep_rows(reports)}
     console = Console(stderr=True, width=160) if json_output else Console(width=160)
     if plot is not None:

@@ -337,6 +337,27 @@ async def replay(client: Any, sessions: Sequence[Sequence[Job]], multi_turn: boo
     return outcomes, time.perf_counter() - epoch
 
 
+def request_record(strategy: str, outcome: Outcome, rate: float | None = None) -> dict[str, Any]:
+    """One request of a run as ``bench serve --per-request`` writes it (a JSON Lines row): which strategy and
+    conversation, the turn, the replica that served it, when it was sent (seconds from the run's start), TTFT and
+    latency, the engine's prompt and cached tokens and their share, failovers, and the error if it failed. This is
+    where a run's mean comes from: which turns paid their whole prompt (``cached_share`` 0 on a later turn: its
+    history was evicted or it moved replica), which replica each went to, in which order."""
+    record: dict[str, Any] = {
+        "strategy": strategy, "conversation": outcome.job.conversation, "session": outcome.job.request.session,
+        "turn": outcome.job.request.turn, "blocks": len(outcome.job.request.blocks), "replica": outcome.replica,
+        "started_s": round(outcome.started_s, 4),
+        "ttft_ms": None if outcome.ttft_ms is None else round(outcome.ttft_ms, 2),
+        "latency_ms": None if outcome.latency_ms is None else round(outcome.latency_ms, 2),
+        "prompt_tokens": outcome.prompt_tokens, "cached_tokens": outcome.cached_tokens,
+        "cached_share": round(outcome.cached_tokens / outcome.prompt_tokens, 4) if outcome.prompt_tokens else None,
+        "failovers": outcome.failovers, "error": outcome.error,
+    }
+    if rate is not None:
+        record["rate"] = rate
+    return record
+
+
 def check_losses(run: StrategyRun) -> None:
     """``check_no_loss`` on what reached the engine for every answered request; fills ``run``'s loss fields."""
     from cpmemory.core.invariants import check_no_loss

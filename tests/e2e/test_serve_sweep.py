@@ -8,9 +8,10 @@ import sys
 
 def test_a_rate_sweep_runs_every_rate_and_reports_each(processes, tmp_path):
     engines = [processes.engine().start(), processes.engine().start()]
-    plot = tmp_path / "sweep.png"
+    plot, per_request = tmp_path / "sweep.png", tmp_path / "requests.jsonl"
     args = [sys.executable, "-m", "cpmemory.cli", "bench", "serve", "--workload", "synthetic", "--requests", "6",
-            "--rate", "40", "--rate", "20", "--timeout", "20", "--engine-timeout", "5", "--json", "--plot", str(plot)]
+            "--rate", "40", "--rate", "20", "--timeout", "20", "--engine-timeout", "5", "--json", "--plot", str(plot),
+            "--per-request", str(per_request)]
     for engine in engines:
         args += ["--engine", engine.url]
     done = subprocess.run(args, capture_output=True, text=True, timeout=240)
@@ -24,6 +25,17 @@ def test_a_rate_sweep_runs_every_rate_and_reports_each(processes, tmp_path):
     assert report["settings"]["rate"] == 40.0 and report["strategies"] == rows[-1]["strategies"]
     assert plot.stat().st_size > 0
     assert "TTFT by arrival rate" in done.stderr
+    # every request of every run, tagged with its strategy and rate, as the engines' usage reported it
+    records = [json.loads(line) for line in per_request.read_text().splitlines()]
+    by_run: dict = {}
+    for record in records:
+        by_run.setdefault((record["strategy"], record["rate"]), []).append(record)
+    assert sorted(by_run) == [(name, rate) for name in ("cpmemory", "original") for rate in (20.0, 40.0)]
+    for (name, rate), rows in by_run.items():
+        figures = next(row for row in report["sweep"] if row["rate"] == rate)["strategies"][name]
+        assert len(rows) == 6 and all(row["error"] is None and row["replica"] in (0, 1) for row in rows)
+        assert sum(row["prompt_tokens"] for row in rows) == figures["prompt_tokens"]
+        assert sum(row["cached_tokens"] for row in rows) == figures["cached_tokens"]
 
 
 def test_a_repeated_rate_is_an_error(processes):

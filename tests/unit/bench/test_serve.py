@@ -357,3 +357,18 @@ def test_ablations_start_their_own_proxy_and_unknown_strategies_are_refused(stra
     with pytest.raises(InvalidInputError, match="needs --max-in-flight"):
         validate(ServeSettings(engines=["http://e"], strategies=["cpmemory"], hold_ms=50))
     validate(ServeSettings(engines=["http://e"], strategies=["cpmemory"], max_in_flight=2, hold_ms=50))
+
+
+def test_a_per_request_record_says_where_each_request_went_and_what_it_found_cached():
+    from cpmemory.bench.serve_run import Outcome, request_record
+
+    trace = multi_turn_trace(sessions=1, turns=2)
+    first, second = select_jobs(trace, settings_of(requests=2), "r")[0]
+    answered = request_record("cpmemory", Outcome(second, 1.23456, 80.0, 95.5, 400, 300, replica=1, failovers=1), 2.0)
+    assert answered["conversation"] == second.conversation and answered["turn"] == second.request.turn
+    assert (answered["replica"], answered["started_s"], answered["ttft_ms"]) == (1, 1.2346, 80.0)
+    assert answered["cached_share"] == 0.75 and answered["failovers"] == 1 and answered["rate"] == 2.0
+    assert answered["error"] is None and json.loads(json.dumps(answered)) == answered
+    failed = request_record("original", Outcome(first, 0.0, error="timeout: no answer"))
+    assert failed["ttft_ms"] is None and failed["cached_share"] is None and failed["error"].startswith("timeout")
+    assert "rate" not in failed
