@@ -7,21 +7,33 @@ Streaming calls fail over only before the first byte; once bytes flow, an error 
 
 A ``RouteHint`` (the prompt's blocks, whether the key is sticky) lets the router score replicas by their cached
 prefix; the replica that accepted the call is recorded for the key (affinity) and in the router's prefix view.
+
+A replica marked down is logged once per outage with the error that took it out. When *every* replica is marked
+down, a call checks them before it gives up (``Router.probe``: one check at a time for all callers, at most once per
+``REVIVE_INTERVAL_S``): a passing failure, such as one open that failed on each replica during a burst, would
+otherwise refuse every call with ``no_healthy_replica`` until the periodic probe, while the engines are up. A call
+still never tries the same replica twice.
 """
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from cpmemory.errors import EngineUnreachableError, NoHealthyReplicaError
+from cpmemory.errors import EngineError, EngineUnreachableError, NoHealthyReplicaError
 from cpmemory.routing.prefix import PromptBlocks
 from cpmemory.routing.router import RouteDecision, Router
 from cpmemory.routing.transport import ChatTransport, EngineStream
 
 _T = TypeVar("_T")
+logger = logging.getLogger(__name__)
+
+REVIVE_INTERVAL_S = 1.0
+"""With every replica marked down, the replicas are checked again at most this often (calls in between fail at
+once: a fleet that is really down still answers ``no_healthy_replica`` within a health check's time)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,6 +118,8 @@ class Dispatcher:
         self.timeout_s = timeout_s
         self._on_failover = on_failover
         self._on_decision = on_decision
+        self._revive: asyncio.Future[list[str]] | None = None  # the check of a fleet marked down, shared by callers
+        self._revived_at = float("-inf")
 
     async def complete(
         self, key: str, payload: Mapping[str, Any], headers: Mapping[str, str] | None = None,
@@ -149,18 +163,25 @@ class Dispatcher:
         """
         tried: list[str] = []
         waited = 0.0
+        revived = False
         while True:
-            decision = self._choose(key, tried, hint)
+            try:
+                decision = self._choose(key, tried, hint)
+            except NoHealthyReplicaError:
+                if revived or not self.failover or not await self._revived():
+                    raise
+                revived = True  # some replica answered its health check: choose again (never one tried already)
+                continue
             self.router.begin(decision.url)
             self.router.record(key, decision, hint.prompt, sticky=hint.remember)
             started = time.perf_counter()
             try:
                 result = await send(decision.url)
-            except EngineUnreachableError:
+            except EngineUnreachableError as error:
                 self.router.end(decision.url)
                 if not self.failover:
                     raise
-                self._fail(decision, tried)
+                self._fail(decision, tried, error)
                 continue
             except BaseException:
                 self.router.end(decision.url)
@@ -185,7 +206,29 @@ class Dispatcher:
                 raise NoHealthyReplicaError(f"every replica failed for this call ({len(tried)} tried)") from error
             raise
 
-    def _fail(self, decision: RouteDecision, tried: list[str]) -> None:
+    async def _revived(self) -> bool:
+        """Every replica is marked down: check them (one check shared by concurrent callers, at most once per
+        ``REVIVE_INTERVAL_S``); True when one came back."""
+        if self._revive is None:
+            now = time.monotonic()
+            if now - self._revived_at < REVIVE_INTERVAL_S:
+                return False
+            self._revived_at = now
+            self._revive = asyncio.ensure_future(self.router.probe(self.transport.is_healthy))
+        revive = self._revive
+        try:
+            recovered = await asyncio.shield(revive)
+        finally:
+            if revive.done() and self._revive is revive:
+                self._revive = None
+        if recovered:
+            logger.warning("every engine replica was marked down; %s answered a health check and is back in rotation",
+                           ", ".join(recovered))
+        return bool(recovered)
+
+    def _fail(self, decision: RouteDecision, tried: list[str], error: EngineError) -> None:
+        if self.router.is_healthy(decision.url):
+            logger.warning("engine replica %s marked down: %s", decision.url, error)
         self.router.mark_down(decision.url)
         tried.append(decision.url)
         if self._on_failover is not None:

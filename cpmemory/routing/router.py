@@ -341,6 +341,10 @@ class Router:
         state.healthy = True
         state.down_since = None
 
+    def is_healthy(self, url: str) -> bool:
+        """Whether ``url`` is in rotation."""
+        return self._state(url).healthy
+
     def healthy_count(self) -> int:
         """Number of replicas in rotation."""
         return sum(1 for state in self._replicas if state.healthy)

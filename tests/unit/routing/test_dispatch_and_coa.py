@@ -148,3 +148,59 @@ def test_calls_routed_before_the_first_is_accepted_follow_its_prefix(view_kind: 
     reasons = asyncio.run(burst())
     assert len(set(transport.sent)) == 1, transport.sent
     assert reasons == ["cold", "prefix", "prefix", "prefix"]
+
+
+def test_a_fleet_marked_down_by_a_passing_failure_is_checked_before_a_call_is_refused(fleet, caplog,
+                                                                                         monkeypatch) -> None:
+    """One failed open per replica (a burst, a blip) marks the whole fleet down; the engines are up, so the next call
+    checks them and is served instead of answering no_healthy_replica until the periodic probe."""
+    import cpmemory.routing.dispatch as dispatch
+
+    clock = [100.0]
+    monkeypatch.setattr(dispatch.time, "monotonic", lambda: clock[0])
+    router = Router(URLS)
+    dispatcher = Dispatcher(router, fleet)
+    for url in URLS:
+        fleet.fleet.engine(url).fail_next(1, status=503)  # a gateway error: unreachable, the replica goes down
+    with caplog.at_level("WARNING", logger="cpmemory.routing.dispatch"):
+        with pytest.raises(NoHealthyReplicaError):  # this call tried all three: it never retries one
+            asyncio.run(dispatcher.complete("k", PAYLOAD))
+        assert router.healthy_count() == 3  # ... but its last step checked them, and they answered
+    marked = [record.getMessage() for record in caplog.records if record.getMessage().startswith("engine replica")]
+    assert len(marked) == 3 and all("503" in message for message in marked)  # each outage logged, with its cause
+    assert any("back in rotation" in record.getMessage() for record in caplog.records)
+    for url in URLS:
+        router.mark_down(url)  # marked down by another call's failures
+    clock[0] += dispatch.REVIVE_INTERVAL_S
+    result = asyncio.run(dispatcher.complete("k", PAYLOAD))
+    assert result.failovers == 0 and router.healthy_count() == 3
+
+
+def test_a_fleet_really_down_is_refused_at_once_and_checked_at_most_once_a_second(fleet, monkeypatch) -> None:
+    import cpmemory.routing.dispatch as dispatch
+
+    router = Router(URLS)
+    dispatcher = Dispatcher(router, fleet)
+    checks: list[str] = []
+    check = fleet.is_healthy
+
+    async def is_healthy(url: str) -> bool:
+        checks.append(url)
+        return await check(url)
+
+    monkeypatch.setattr(fleet, "is_healthy", is_healthy)
+    fleet.set_down(URLS)
+    clock = [100.0]
+    monkeypatch.setattr(dispatch.time, "monotonic", lambda: clock[0])
+
+    async def calls(n: int) -> list:
+        return await asyncio.gather(*(dispatcher.complete(f"k{i}", PAYLOAD) for i in range(n)), return_exceptions=True)
+
+    results = asyncio.run(calls(5))
+    assert all(isinstance(result, NoHealthyReplicaError) for result in results)
+    assert sorted(checks) == sorted(URLS)  # one check of the fleet for the five calls
+    asyncio.run(calls(3))
+    assert len(checks) == 3  # within the interval: refused without another check
+    clock[0] += dispatch.REVIVE_INTERVAL_S
+    fleet.set_down(URLS, False)
+    assert asyncio.run(dispatcher.complete("k", PAYLOAD)).failovers == 0  # checked again, and back
