@@ -406,8 +406,8 @@ def command(
     plot: Path | None = typer.Option(None, "--plot", help="Write the TTFT CDF per strategy (PNG)."),
     per_request: Path | None = typer.Option(
         None, "--per-request",
-        help="Write every request of every run (strategy, conversation, turn, replica, send time, TTFT, latency, "
-             "prompt and cached tokens, error) to this file, one JSON object a line."),
+        help="Write every request of every strategy's run (strategy, conversation, turn, replica, send time, TTFT, "
+             "latency, prompt and cached tokens, error; not --load's calibration) to this file, one JSON object a line."),
     json_output: bool = typer.Option(False, "--json", help="Print one JSON object on stdout."),
 ) -> None:
     """Replay a trace through the proxy and straight to the engines; print TTFT, throughput, errors, lost blocks."""
@@ -455,7 +455,8 @@ def command(
                              one_rate: float | None = one_rate) -> None:
                     if outcome.ttft_ms is not None:
                         ttfts[name].append(outcome.ttft_ms)
-                    records.append(request_record(name, outcome, one_rate))
+                    if per_request is not None:
+                        records.append(request_record(name, outcome, one_rate))
                     advance(1)
 
                 one = asyncio.run(run_serve(trace, settings.model_copy(update={"rate": one_rate}), progress))
