@@ -33,8 +33,12 @@ from cpmemory.errors import CpMemoryError, InvalidInputError
 logger = logging.getLogger(__name__)
 MAX_PENDING_REGISTRATIONS = 1024
 TOKENIZE_TIMEOUT_S = 2.0
-ATTRIBUTE_RETRY_S = (0.05, 0.2)
-"""Behind a gateway: how long to wait, and again, for KV events that name the replica of an answered prompt."""
+ATTRIBUTE_RETRY_S = (0.05, 0.2, 0.5, 1.0, 2.0, 4.0)
+"""Behind a gateway: the waits (about 8 s in all) for KV events that name the replica of an answered prompt. The
+events usually trail the answer by milliseconds, but on a loaded machine the subscriber thread can lag by a second
+or more (CI: 2 of 12 turns unattributed after the old 0.25 s); the wait runs in the background and costs nothing."""
+ATTRIBUTE_TOKENIZE_TIMEOUT_S = 30.0
+"""Behind a gateway: the tokenize call of attribution, off the request path, may wait longer than routing's."""
 
 
 @dataclass(slots=True)
@@ -102,11 +106,12 @@ class KVSyncHub:
                 continue
             self._replicas[index] = _Replica(url.rstrip("/"), sync, subscriber, client)
 
-    async def prompt_blocks(self, payload: Mapping[str, Any], healthy: Sequence[str] | None = None) -> Any:
+    async def prompt_blocks(self, payload: Mapping[str, Any], healthy: Sequence[str] | None = None,
+                            timeout_s: float = TOKENIZE_TIMEOUT_S) -> Any:
         """The prompt's blocks keyed by the engine's hashes (``/tokenize`` on a replica), or None on failure.
 
         ``healthy`` names the replicas in rotation (base URLs), preferred first: the first synced one of them
-        tokenizes, within ``TOKENIZE_TIMEOUT_S`` (a slow answer only costs the prefix score). Returns a ``PromptBlocks``; its hashes
+        tokenizes, within ``timeout_s`` (routing: ``TOKENIZE_TIMEOUT_S``; a slow answer only costs the prefix score). Returns a ``PromptBlocks``; its hashes
         are those ``register`` would compute, so the caller registers them directly.
         """
         from cpmemory.routing.prefix import engine_blocks
@@ -121,7 +126,7 @@ class KVSyncHub:
         state = usable[0]
         try:
             tokens = await asyncio.wait_for(self._tokenizer_of(state).tokenize(
-                payload.get("messages") or [], model=str(payload.get("model", ""))), TOKENIZE_TIMEOUT_S)
+                payload.get("messages") or [], model=str(payload.get("model", ""))), timeout_s)
         except (CpMemoryError, asyncio.TimeoutError) as error:
             self.failures += 1
             logger.debug("tokenize for routing failed: %s", error)
@@ -181,7 +186,7 @@ class KVSyncHub:
 
     async def _attribute(self, request_id: str, payload: Mapping[str, Any], tenant: str,
                          found: Callable[[int | None], None]) -> None:
-        prompt = await self.prompt_blocks(payload)
+        prompt = await self.prompt_blocks(payload, timeout_s=ATTRIBUTE_TOKENIZE_TIMEOUT_S)
         if prompt is None:
             found(None)
             return
