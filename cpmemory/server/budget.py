@@ -8,7 +8,12 @@ counts the prompt exactly as the engine will (chat template applied) and, if the
 plans the turn again under a budget scaled down by the ratio, up to ``MAX_REPLANS`` times; a turn that still does
 not fit is a PromptBudgetError (400, nothing stored). To spare a call per turn, a prompt is counted only when its
 planned size times the largest engine/planned ratio seen (``UNLEARNED_RATIO`` until ``LEARN_COUNTS`` prompts of the
-model were counted, and never under 1) times ``COUNT_SLACK`` could exceed the budget. Every answered prompt is a
+model were counted, and never under 1) times ``COUNT_SLACK`` could exceed the budget, and never when the prompt's
+UTF-8 bytes plus the template's tokens per message (the engine's count of a one-word chat, asked with the limits)
+fit: no tokenizer whose tokens cover at least a byte each counts more (:meth:`EngineLimits.upper_bound`). Without
+that bound, a burst of long prompts reaching a freshly started proxy, before any answer taught it the ratio, called
+``/tokenize`` once per prompt, queued behind the burst at the engine's API server (64 LoCoMo questions at once:
+1.5 s of each one's mean TTFT). Every answered prompt is a
 count too (its ``usage.prompt_tokens``); once learnt, the facade plans against the budget scaled by that ratio
 (:meth:`EngineBudget.planning_budget`): the default counter over-counts common tokenizers by design, and planning
 in its tokens against the engine's limit cut conversations' histories at 60-75% of the context. An engine that answers neither gives no budget (the turn is
@@ -37,6 +42,9 @@ LEARN_MIN_TOKENS = 512
 PLAN_MARGIN = 0.97
 
 
+_TEXT_MESSAGE_KEYS = frozenset({"role", "content", "name"})
+
+
 @dataclass(frozen=True, slots=True)
 class EngineLimits:
     """What one engine said about one model.
@@ -45,11 +53,29 @@ class EngineLimits:
         max_model_len: the context length in tokens (None: unknown).
         tokenize: True when ``POST /tokenize`` answered.
         checked_at: ``time.monotonic()`` of the check.
+        template_tokens: the engine's count of a one-word chat (its template's own tokens, any default system
+            prompt included, plus one): what a message can cost beyond its text (None: not counted).
     """
 
     max_model_len: int | None
     tokenize: bool
     checked_at: float
+    template_tokens: int | None = None
+
+    def upper_bound(self, messages: Sequence[Mapping[str, Any]]) -> int | None:
+        """A bound on the engine's count of a chat prompt that no tokenizer whose tokens each cover at least one byte
+        of the text exceeds (byte-level BPE, SentencePiece with byte fallback, character-level): the texts' UTF-8
+        bytes plus ``template_tokens`` per message; None when the template was not counted, or when a message
+        carries more than text (parts such as images, tool calls: their tokens are not in its bytes). Pure; O(text)."""
+        if self.template_tokens is None:
+            return None
+        text_bytes = 0
+        for message in messages:
+            content = message.get("content")
+            if not set(message) <= _TEXT_MESSAGE_KEYS or not isinstance(content, (str, type(None))):
+                return None
+            text_bytes += len((content or "").encode("utf-8", "surrogatepass"))
+        return text_bytes + self.template_tokens * max(1, len(messages))
 
 
 def requested_answer_tokens(request: Any, default: int) -> int:
@@ -84,8 +110,11 @@ class EngineBudget:
         self._limits: dict[str, EngineLimits] = {}
         self._ratio: dict[str, tuple[int, float]] = {}  # model -> (prompts counted, largest engine/planned ratio)
 
-    def should_count(self, model: str, planned: int, budget: int) -> bool:
-        """Whether the engine must count a prompt planned at ``planned`` tokens (see the module docstring)."""
+    def should_count(self, model: str, planned: int, budget: int, upper_bound: int | None = None) -> bool:
+        """Whether the engine must count a prompt planned at ``planned`` tokens (see the module docstring); never
+        when ``upper_bound`` (:meth:`EngineLimits.upper_bound`) fits the budget."""
+        if upper_bound is not None and upper_bound <= budget:
+            return False
         counted, ratio = self._ratio.get(model, (0, 0.0))
         assumed = max(ratio, UNLEARNED_RATIO) if counted < LEARN_COUNTS else max(ratio, 1.0)
         return planned * assumed * COUNT_SLACK > budget
@@ -131,8 +160,8 @@ class EngineBudget:
                                   < RETRY_AFTER_S):
             return known
         length = await self._model_len(model)
-        tokenize = length is not None and await self.count(model, [{"role": "user", "content": "ping"}]) is not None
-        limits = EngineLimits(length, tokenize, time.monotonic())
+        template = await self.count(model, [{"role": "user", "content": "ping"}]) if length is not None else None
+        limits = EngineLimits(length, template is not None, time.monotonic(), template)
         self._limits[model] = limits
         return limits
 

@@ -285,7 +285,7 @@ class ProxyService:
         prepared = await self._prepare_once(tenant, turn, planning)
         if budget is None or limits is None or not limits.tokenize:
             return prepared
-        return await self._fit_engine_count(tenant, turn, request, budget, prepared)
+        return await self._fit_engine_count(tenant, turn, request, budget, prepared, limits)
 
     async def _prepare_once(self, tenant: str, turn: TurnInput, budget: int | None) -> PreparedTurn:
         options: dict[str, Any] = {} if budget is None else {"max_prompt_tokens": budget}
@@ -294,12 +294,14 @@ class ProxyService:
             tenant=tenant, system_prompt=turn.system_prompt, **options,
         )
 
-    async def _fit_engine_count(self, tenant: str, turn: TurnInput, request: Any, budget: int, prepared: Any) -> Any:
+    async def _fit_engine_count(self, tenant: str, turn: TurnInput, request: Any, budget: int, prepared: Any,
+                                limits: Any) -> Any:
         """Replan (tighter) until the engine's own count of the prompt fits ``budget``; PromptBudgetError if not."""
         assert self.engine_budget is not None
         for _ in range(MAX_REPLANS + 1):
             planned = prepared.prompt_tokens or budget
-            if not self.engine_budget.should_count(request.model, planned, budget):
+            if not self.engine_budget.should_count(request.model, planned, budget,
+                                                   limits.upper_bound(prepared.messages)):
                 return prepared
             count = await self.engine_budget.count(request.model, prepared.messages)
             if count is None:

@@ -128,3 +128,54 @@ async def test_behind_a_gateway_the_budget_asks_a_replica_itself_when_the_replic
     alone = create_app(ServerConfig(upstream="http://gateway:8000"), transport=transport)
     assert alone.state.service.engine_budget.client.base_url == "http://gateway:8000"
     await transport.aclose()
+
+
+async def test_a_prompt_whose_bytes_fit_the_budget_is_sent_without_a_count_even_before_the_ratio_is_learnt(
+        make_proxy) -> None:
+    """A freshly started proxy knows no engine/planned ratio yet: it counted every long prompt with ``/tokenize``
+    (a burst of them queued at the engine's API server). A prompt whose UTF-8 bytes plus the template's tokens per
+    message fit the budget cannot exceed it (the mock, like any byte-level tokenizer, never counts more than a token
+    a byte): it is not counted. A longer one still is, and still fits."""
+    proxy = make_proxy(engine_count=1)
+    engine = proxy.engines[0]
+    engine.max_model_len = 16_000
+    tokenized: list[int] = []
+    original = engine._tokenize
+
+    def counting(request):  # type: ignore[no-untyped-def]
+        tokenized.append(1)
+        return original(request)
+
+    engine._tokenize = counting
+    rng = random.Random(7)
+    doc = " ".join(rng.choice(WORDS) for _ in range(1900))  # ~13,300 bytes: the estimate plans ~7,000 tokens
+    response = await proxy.client.post("/v1/chat/completions", json=body("fits", "q", [{"id": "d", "text": doc}]))
+    assert response.status_code == 200, response.text
+    startup = len(tokenized)  # the limits' one-word probe
+    assert startup == 1
+    for turn in range(3):  # unlearned ratio 2 x slack 1.25 x ~7,000 planned > 16,000: counted before the bound
+        blocks = [{"id": f"e{turn}", "text": " ".join(rng.choice(WORDS) for _ in range(1900))}]
+        response = await proxy.client.post("/v1/chat/completions", json=body(f"fits{turn}", "q", blocks))
+        assert response.status_code == 200, response.text
+    assert len(tokenized) == startup
+    engine.token_bytes = 2  # a frugal tokenizer: prompts of more bytes than the budget may fit; the engine says
+    big = [{"id": f"big{i}", "text": " ".join(rng.choice(WORDS) for _ in range(900))} for i in range(3)]
+    response = await proxy.client.post("/v1/chat/completions", json=body("big", "q", big))  # ~19,000 bytes
+    assert response.status_code == 200, response.text
+    assert len(tokenized) > startup
+    assert len(engine.tokenize(render_chatml(engine.requests[-1]["body"]["messages"]))) <= 16_000 - 64
+
+
+def test_the_byte_bound_covers_only_text_messages() -> None:
+    from cpmemory.server.budget import EngineLimits
+
+    limits = EngineLimits(4096, True, 0.0, template_tokens=9)
+    text = [{"role": "system", "content": "abc"}, {"role": "user", "content": "héllo"}]
+    assert limits.upper_bound(text) == 3 + 6 + 2 * 9
+    assert limits.upper_bound([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]) \
+        is None  # an image's tokens are not in any bytes
+    assert limits.upper_bound([{"role": "assistant", "content": None, "tool_calls": [{"id": "t"}]}]) is None
+    assert EngineLimits(4096, True, 0.0).upper_bound(text) is None  # the template was not counted
+    budget = EngineBudget(client=None)
+    assert not budget.should_count("m", 5000, 1000, upper_bound=1000)  # the bound fits: whatever the estimate
+    assert budget.should_count("m", 5000, 1000, upper_bound=1001)
