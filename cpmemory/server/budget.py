@@ -22,6 +22,7 @@ planned as before) and is asked again after ``RETRY_AFTER_S``.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Mapping, Sequence
@@ -109,6 +110,7 @@ class EngineBudget:
         self._tokenizer = tokenizer
         self._limits: dict[str, EngineLimits] = {}
         self._ratio: dict[str, tuple[int, float]] = {}  # model -> (prompts counted, largest engine/planned ratio)
+        self._checking: dict[str, asyncio.Future[EngineLimits]] = {}  # model -> its limits being asked
 
     def should_count(self, model: str, planned: int, budget: int, upper_bound: int | None = None) -> bool:
         """Whether the engine must count a prompt planned at ``planned`` tokens (see the module docstring); never
@@ -154,11 +156,22 @@ class EngineBudget:
         self._tokenizer = tokenizer
 
     async def limits(self, model: str) -> EngineLimits:
-        """The engine's limits for ``model`` (asked once; again after RETRY_AFTER_S when it did not answer)."""
+        """The engine's limits for ``model`` (asked once; again after RETRY_AFTER_S when it did not answer).
+
+        Concurrent callers share one check: a burst reaching a fresh proxy asked ``/v1/models`` and ``/tokenize``
+        once per request (64 LoCoMo questions at once: 64 of each, queued at the engine's API server behind the
+        burst, seconds of each question's time)."""
         known = self._limits.get(model)
         if known is not None and (known.max_model_len is not None or time.monotonic() - known.checked_at
                                   < RETRY_AFTER_S):
             return known
+        checking = self._checking.get(model)
+        if checking is None:
+            checking = self._checking[model] = asyncio.ensure_future(self._check(model))
+            checking.add_done_callback(lambda _: self._checking.pop(model, None))
+        return await asyncio.shield(checking)
+
+    async def _check(self, model: str) -> EngineLimits:
         length = await self._model_len(model)
         template = await self.count(model, [{"role": "user", "content": "ping"}]) if length is not None else None
         limits = EngineLimits(length, template is not None, time.monotonic(), template)

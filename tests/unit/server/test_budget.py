@@ -179,3 +179,36 @@ def test_the_byte_bound_covers_only_text_messages() -> None:
     budget = EngineBudget(client=None)
     assert not budget.should_count("m", 5000, 1000, upper_bound=1000)  # the bound fits: whatever the estimate
     assert budget.should_count("m", 5000, 1000, upper_bound=1001)
+
+
+async def test_concurrent_first_requests_ask_the_engine_for_its_limits_once() -> None:
+    """A burst reaching a fresh proxy: every request needs the model's limits; one check serves them all."""
+    import asyncio
+
+    engine = MockEngine(max_model_len=5000)
+    asked = {"models": 0, "tokenize": 0}
+    models, tokenize = engine._models, engine._tokenize
+
+    def counted(name, handler):  # type: ignore[no-untyped-def]
+        def call(request):  # type: ignore[no-untyped-def]
+            asked[name] += 1
+            return handler(request)
+        return call
+
+    engine._models, engine._tokenize = counted("models", models), counted("tokenize", tokenize)
+
+    class Slow(httpx.AsyncBaseTransport):  # an engine busy with the burst: each answer takes a while
+        def __init__(self) -> None:
+            self.inner = engine.transport()
+
+        async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+            await asyncio.sleep(0.05)
+            return await self.inner.handle_async_request(request)
+
+    async with AsyncEngineClient("http://engine", transport=Slow()) as client:
+        budget = EngineBudget(client)
+        answers = await asyncio.gather(*(budget.limits("tiny") for _ in range(20)))
+        assert {a.max_model_len for a in answers} == {5000} and all(a.tokenize for a in answers)
+        assert asked == {"models": 1, "tokenize": 1}
+        await budget.limits("tiny")
+        assert asked == {"models": 1, "tokenize": 1}  # remembered
