@@ -341,7 +341,9 @@ class KVEventSubscriber:
             return self
         self._thread = threading.Thread(target=self._run, name=f"kv-events {self.endpoint}", daemon=True)
         self._thread.start()
-        self._connected.wait(connect_timeout_s)
+        if not self._connected.wait(connect_timeout_s):
+            logger.warning("KV-event publisher %s not reached within %.0f s; its events flow once it is (ZMQ "
+                           "reconnects)", self.endpoint, connect_timeout_s)
         return self
 
     def stop(self, timeout_s: float = 5.0) -> None:

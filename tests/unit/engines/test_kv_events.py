@@ -189,3 +189,30 @@ def test_a_batch_published_as_soon_as_start_returns_is_received():
             subscriber.stop()
             publisher.close(0)
     assert lost == 0
+
+
+def test_a_publisher_not_up_at_start_is_reported_and_joined_when_it_comes(caplog):
+    """``start`` waits for the connection at most ``connect_timeout_s``, says so, and the events of a publisher
+    that binds later still arrive (ZMQ reconnects)."""
+    zmq = pytest.importorskip("zmq")
+    port = _free_port()
+    recorder = Recorder()
+    subscriber = KVEventSubscriber(f"tcp://127.0.0.1:{port}", recorder, poll_interval_s=0.02)
+    started = time.monotonic()
+    with caplog.at_level("WARNING", logger="cpmemory.engines.kv_events"):
+        subscriber.start(connect_timeout_s=0.3)
+    assert 0.25 < time.monotonic() - started < 2.0
+    assert "not reached" in caplog.text
+    publisher = zmq.Context.instance().socket(zmq.PUB)
+    publisher.bind(f"tcp://127.0.0.1:{port}")
+    try:
+        deadline = time.monotonic() + 10
+        sequence = 0
+        while not recorder.received.is_set() and time.monotonic() < deadline:
+            publisher.send_multipart(encode_frames(EventBatch(sequence, 0.0, (AllBlocksCleared(),))))
+            sequence += 1
+            recorder.received.wait(0.05)
+        assert recorder.received.is_set()
+    finally:
+        subscriber.stop()
+        publisher.close(0)
