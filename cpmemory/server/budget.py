@@ -12,8 +12,9 @@ model were counted, and never under 1) times ``COUNT_SLACK`` could exceed the bu
 UTF-8 bytes plus the template's tokens per message (the engine's count of a one-word chat, asked with the limits)
 fit: no tokenizer whose tokens cover at least a byte each counts more (:meth:`EngineLimits.upper_bound`). Without
 that bound, a burst of long prompts reaching a freshly started proxy, before any answer taught it the ratio, called
-``/tokenize`` once per prompt, queued behind the burst at the engine's API server (64 LoCoMo questions at once:
-1.5 s of each one's mean TTFT). Every answered prompt is a
+``/tokenize`` once per prompt, queued behind the burst at the engine's API server (64 LoCoMo questions at once,
+with the limits also asked once per request before :meth:`EngineBudget.limits` shared its check: a mean of 4.0-5.4 s
+in ``prepare``; 0.39 s with both). Every answered prompt is a
 count too (its ``usage.prompt_tokens``); once learnt, the facade plans against the budget scaled by that ratio
 (:meth:`EngineBudget.planning_budget`): the default counter over-counts common tokenizers by design, and planning
 in its tokens against the engine's limit cut conversations' histories at 60-75% of the context. An engine that answers neither gives no budget (the turn is
