@@ -7,7 +7,9 @@ Runs the ``cpmemory`` command line given, with timers wrapped around four steps 
 the bench's proxy client, and prints to stderr, per strategy (in run order), the mean milliseconds of: the client's
 send to the proxy's handler, the handler to the engine call (``prepare``), the engine call's opening (admission's wait,
 shown apart, plus the engine's response headers), the headers to the first generated token at the proxy, and that
-token's relay to the client. A measuring aid for docs/bench-serve.md, not part of the package; it patches internals
+token's relay to the client; then the handler-to-engine-call step split into the hold queue's wait (with
+``--max-in-flight``), the facade's prepare (the prompt budget's checks included) and the wait for the previous
+request of a released window to be sent. A measuring aid for docs/bench-serve.md, not part of the package; it patches internals
 and breaks when they change.
 """
 from __future__ import annotations
@@ -30,9 +32,28 @@ by_stream: dict[int, tuple[str, float]] = {}
 
 
 def patch() -> None:
+    import cpmemory.server.app as app_module
+
     arrived, open_stream, relay = (service.ProxyService.arrived, service.ProxyService.open_turn_stream,
                                    service.ProxyService.relay_stream)
     send = serve_clients.ProxyClient.send
+    admit, prepare = app_module.admit, service.ProxyService.prepare
+
+    async def timed_admit(service_: Any, raw: Any, tenant: str, turn: Any) -> Any:
+        admission = await admit(service_, raw, tenant, turn)
+        key = current.get(turn.conversation_id) if turn is not None else None
+        if key is not None:
+            timeline[key]["a1"] = time.perf_counter()
+        return admission
+
+    async def timed_prepare(self: Any, tenant: str, turn: Any, request: Any = None) -> Any:
+        key = current.get(turn.conversation_id)
+        if key is not None:
+            timeline[key]["q0"] = time.perf_counter()
+        prepared = await prepare(self, tenant, turn, request)
+        if key is not None:
+            timeline[key]["q1"] = time.perf_counter()
+        return prepared
 
     def timed_arrived(self: Any, tenant: str, turn: Any) -> None:
         key = current[turn.conversation_id] = (turn.conversation_id, time.perf_counter())
@@ -62,6 +83,8 @@ def patch() -> None:
             timeline[key].update(c0=started, c1=started + sent.ttft_s)
         return sent
 
+    app_module.admit = timed_admit  # type: ignore[assignment]
+    service.ProxyService.prepare = timed_prepare  # type: ignore[method-assign]
     service.ProxyService.arrived = timed_arrived  # type: ignore[method-assign]
     service.ProxyService.open_turn_stream = timed_open  # type: ignore[method-assign]
     service.ProxyService.relay_stream = timed_relay  # type: ignore[method-assign]
@@ -82,6 +105,9 @@ def report(strategies: int) -> None:
         print(f"strategy {index // size + 1}: client->handler {ms('c0', 'p0')} ms, prepare {ms('p0', 'p1')}, "
               f"admission wait {wait}, engine headers {round(ms('p1', 'p2') - wait, 1)}, first token "
               f"{ms('p2', 'p3')}, relay {ms('p3', 'c1')}; client TTFT {ms('c0', 'c1')}", file=sys.stderr)
+        if all("a1" in row and "q0" in row and "q1" in row for row in part):
+            print(f"  of prepare: hold {ms('p0', 'a1')} ms, facade prepare {ms('q0', 'q1')}, the window's send turn "
+                  f"{ms('q1', 'p1')}", file=sys.stderr)
 
 
 def main() -> None:
