@@ -140,6 +140,17 @@ def _free_port() -> int:
         return probe.getsockname()[1]
 
 
+def _publish_until_received(publisher, recorder, timeout_s: float = 10.0) -> int:
+    """Resend a batch until the subscriber has one (ZMQ's slow joiner); returns the next sequence number."""
+    deadline = time.monotonic() + timeout_s
+    sequence = 0
+    while not recorder.received.is_set() and time.monotonic() < deadline:
+        publisher.send_multipart(encode_frames(EventBatch(sequence, 0.0, (AllBlocksCleared(),))))
+        sequence += 1
+        recorder.received.wait(0.05)
+    return sequence
+
+
 def test_subscriber_receives_from_a_real_zmq_publisher():
     zmq = pytest.importorskip("zmq")
     port = _free_port()
@@ -149,12 +160,7 @@ def test_subscriber_receives_from_a_real_zmq_publisher():
     subscriber = KVEventSubscriber(f"tcp://127.0.0.1:{port}", recorder, poll_interval_s=0.02)
     try:
         subscriber.start()
-        deadline = time.monotonic() + 10
-        sequence = 0
-        while not recorder.received.is_set() and time.monotonic() < deadline:  # slow-joiner: resend until seen
-            publisher.send_multipart(encode_frames(EventBatch(sequence, 0.0, (AllBlocksCleared(),))))
-            sequence += 1
-            recorder.received.wait(0.05)
+        sequence = _publish_until_received(publisher, recorder)
         publisher.send_multipart([b"kv-events", b"short", b""])  # malformed: counted, thread lives on
         publisher.send_multipart(encode_frames(EventBatch(sequence, 0.0, (BlockRemoved((1,), "GPU"),))))
         deadline = time.monotonic() + 10
@@ -206,12 +212,7 @@ def test_a_publisher_not_up_at_start_is_reported_and_joined_when_it_comes(caplog
     publisher = zmq.Context.instance().socket(zmq.PUB)
     publisher.bind(f"tcp://127.0.0.1:{port}")
     try:
-        deadline = time.monotonic() + 10
-        sequence = 0
-        while not recorder.received.is_set() and time.monotonic() < deadline:
-            publisher.send_multipart(encode_frames(EventBatch(sequence, 0.0, (AllBlocksCleared(),))))
-            sequence += 1
-            recorder.received.wait(0.05)
+        _publish_until_received(publisher, recorder)
         assert recorder.received.is_set()
     finally:
         subscriber.stop()
