@@ -48,7 +48,7 @@ from cpmemory.facade import IndexEvictor
 from cpmemory.routing.dispatch import NO_HINT, Dispatcher, DispatchResult, RouteHint, StreamDispatch
 from cpmemory.routing.prefix import text_blocks
 from cpmemory.routing.router import RouteDecision, conversation_affinity_key
-from cpmemory.server.budget import MAX_REPLANS, EngineBudget, requested_answer_tokens, tighter_budget
+from cpmemory.server.budget import MAX_REPLANS, EngineBudget, EngineLimits, requested_answer_tokens, tighter_budget
 from cpmemory.server.fit import UNGATED, CacheFit, FitSlot
 from cpmemory.server.hold import Admission, HoldQueue
 from cpmemory.server.metrics import ProxyMetrics
@@ -295,7 +295,7 @@ class ProxyService:
         )
 
     async def _fit_engine_count(self, tenant: str, turn: TurnInput, request: Any, budget: int, prepared: Any,
-                                limits: Any) -> Any:
+                                limits: EngineLimits) -> Any:
         """Replan (tighter) until the engine's own count of the prompt fits ``budget``; PromptBudgetError if not."""
         assert self.engine_budget is not None
         for _ in range(MAX_REPLANS + 1):
