@@ -32,7 +32,9 @@
 #   CPM_VLLM_RUN_DIR   PID and log files      (default /tmp/cpmemory-vllm)
 #   CPM_VLLM_KV_BYTES  KV cache size in bytes of `start` (default: VLLM_CPU_KVCACHE_SPACE=1, i.e. 1 GiB)
 #   CPM_VLLM_BENCH_KV_BYTES  KV cache of each bench replica (default 35651584 = 34 MiB = 17,408 tokens)
-#   CPM_VLLM_NICE      niceness of the servers (default 10: the proxy and the clients on the same machine go first)
+#   CPM_VLLM_NICE      niceness of the servers (default 19: the proxy and the clients on the same machine go first;
+#                      10 until 2026-12-05, when the proxy's hops still queued behind the engines' workers:
+#                      docs/bench-serve.md, "Measured 2026-12-05 (tenth machine ...)")
 #   CPM_VLLM_CPU_BIND  the worker's cores for `start` (VLLM_CPU_OMP_THREADS_BIND; vLLM's default "auto" binds
 #                      every server to the same core); the bench replicas get core 0 and core 1
 #   CPM_VLLM_START_TIMEOUT  seconds to wait for /health (default 240)
@@ -129,9 +131,10 @@ cmd_start() {
   # /v1/chat/completions/render, which vLLM answers 403 without it (the router then routes by load alone and counts
   # vllm_router_prefix_routing_decisions_total{outcome="missing_tokens"}).
   # nice: on a machine shared with the proxy and the benchmark's clients, the engines' compute yields to them (as if
-  # the engines had their own hardware); the engines still get every idle cycle.
+  # the engines had their own hardware); the engines still get every idle cycle. 19, the lowest priority: at 10 a
+  # proxied turn still waited behind the engines' workers at each of its hops (vLLM's own TTFT is the same at both).
   setsid bash -c 'echo $$ > "$0"; exec "$@"' "$RUN_DIR/$NAME.pid" \
-    nice -n "${CPM_VLLM_NICE:-10}" env "${kv_env[@]}" "${bind_env[@]}" VLLM_SERVER_DEV_MODE=1 VLLM_LOGGING_LEVEL=WARNING \
+    nice -n "${CPM_VLLM_NICE:-19}" env "${kv_env[@]}" "${bind_env[@]}" VLLM_SERVER_DEV_MODE=1 VLLM_LOGGING_LEVEL=WARNING \
     "$VENV/bin/vllm" serve "$MODEL" --served-model-name tiny --host 127.0.0.1 --port "$port" \
     --dtype bfloat16 --max-model-len 16384 --enforce-eager --enable-prefix-caching \
     --enable-prompt-tokens-details --enable-scale-out \
