@@ -1,9 +1,11 @@
 """KV-event decoding, sequence tracking and the ZMQ subscriber thread."""
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 import time
+from collections.abc import Iterator
 
 import msgpack
 import pytest
@@ -151,8 +153,9 @@ def _publish_until_received(publisher, recorder, timeout_s: float = 10.0) -> int
     return sequence
 
 
-def test_subscriber_receives_from_a_real_zmq_publisher():
-    zmq = pytest.importorskip("zmq")
+@contextlib.contextmanager
+def _publisher_and_subscriber(zmq) -> Iterator[tuple]:
+    """A real ZMQ publisher on a free port and a started subscriber of it (recording); both closed on exit."""
     port = _free_port()
     publisher = zmq.Context.instance().socket(zmq.PUB)
     publisher.bind(f"tcp://127.0.0.1:{port}")
@@ -160,6 +163,15 @@ def test_subscriber_receives_from_a_real_zmq_publisher():
     subscriber = KVEventSubscriber(f"tcp://127.0.0.1:{port}", recorder, poll_interval_s=0.02)
     try:
         subscriber.start()
+        yield publisher, recorder, subscriber
+    finally:
+        subscriber.stop()
+        publisher.close(0)
+
+
+def test_subscriber_receives_from_a_real_zmq_publisher():
+    zmq = pytest.importorskip("zmq")
+    with _publisher_and_subscriber(zmq) as (publisher, recorder, subscriber):
         sequence = _publish_until_received(publisher, recorder)
         publisher.send_multipart([b"kv-events", b"short", b""])  # malformed: counted, thread lives on
         publisher.send_multipart(encode_frames(EventBatch(sequence, 0.0, (BlockRemoved((1,), "GPU"),))))
@@ -169,9 +181,6 @@ def test_subscriber_receives_from_a_real_zmq_publisher():
             time.sleep(0.02)
         assert recorder.batches[-1].events == (BlockRemoved((1,), "GPU"),)
         assert subscriber.stats.malformed_frames == 1
-    finally:
-        subscriber.stop()
-        publisher.close(0)
     assert subscriber._thread is None
 
 
@@ -182,18 +191,9 @@ def test_a_batch_published_as_soon_as_start_returns_is_received():
     zmq = pytest.importorskip("zmq")
     lost = 0
     for _ in range(40):
-        port = _free_port()
-        publisher = zmq.Context.instance().socket(zmq.PUB)
-        publisher.bind(f"tcp://127.0.0.1:{port}")
-        recorder = Recorder()
-        subscriber = KVEventSubscriber(f"tcp://127.0.0.1:{port}", recorder, poll_interval_s=0.02)
-        try:
-            subscriber.start()
+        with _publisher_and_subscriber(zmq) as (publisher, recorder, _):
             publisher.send_multipart(encode_frames(EventBatch(0, 0.0, (AllBlocksCleared(),))))
             lost += not recorder.received.wait(2.0)
-        finally:
-            subscriber.stop()
-            publisher.close(0)
     assert lost == 0
 
 
