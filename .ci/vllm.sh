@@ -35,6 +35,12 @@
 #   CPM_VLLM_NICE      niceness of the servers (default 19: the proxy and the clients on the same machine go first;
 #                      10 until 2026-12-05, when the proxy's hops still queued behind the engines' workers:
 #                      docs/bench-serve.md, "Measured 2026-12-05 (tenth machine ...)")
+#   CPM_VLLM_FRONTEND_NICE  niceness of each server's API server process (HTTP, chat template, tokenizer; default
+#                      0) once it is up: only the engine core and its model worker stay at CPM_VLLM_NICE. On a GPU
+#                      host the front end has CPU cores the model does not use; at 19 here it queued behind the
+#                      model's compute and added 80-130 ms to every request of every strategy: docs/bench-serve.md,
+#                      "Measured 2026-12-05 (thirteenth machine ...)". The engine core stays at 19: it spins
+#                      while the worker computes, and at 0 it took the worker's core (prefill time doubled).
 #   CPM_VLLM_CPU_BIND  the worker's cores for `start` (VLLM_CPU_OMP_THREADS_BIND; vLLM's default "auto" binds
 #                      every server to the same core); the bench replicas get core 0 and core 1
 #   CPM_VLLM_START_TIMEOUT  seconds to wait for /health (default 240)
@@ -148,6 +154,19 @@ cmd_start() {
   if ! wait_health "$port" "$pid"; then
     cmd_stop "$NAME"
     return 1
+  fi
+  frontend_nice "$pid"
+}
+
+# The API server (the server's own process; its engine core and worker are children) at CPM_VLLM_FRONTEND_NICE.
+# Niceness is per thread on Linux: every thread of the process, and the threads it starts later inherit it.
+frontend_nice() {
+  local pid=$1 nice=${CPM_VLLM_FRONTEND_NICE:-0} task failed=0
+  for task in /proc/"$pid"/task/*; do
+    renice -n "$nice" -p "${task##*/}" >/dev/null 2>&1 || failed=1
+  done
+  if [ "$failed" -ne 0 ]; then
+    log "$NAME: could not set its API server to nice $nice (needs root or CAP_SYS_NICE); it stays at ${CPM_VLLM_NICE:-19}"
   fi
 }
 

@@ -39,6 +39,7 @@ class Sent:
         replica: index of the replica that answered (-1 when unknown, e.g. behind an upstream router).
         messages: the messages that reached the engine (None when they could not be observed).
         failovers: replicas failed over before this one answered (the direct client's; 0 through the proxy).
+        fit: the proxy's cache-fit admission (``X-Cpmemory-Fit``: its reason and wait), None when it did not gate.
     """
 
     ttft_s: float | None
@@ -48,6 +49,19 @@ class Sent:
     replica: int
     messages: tuple[Mapping[str, str], ...] | None
     failovers: int = 0
+    fit: tuple[str, float] | None = None
+
+
+def fit_header(value: str | None) -> tuple[str, float] | None:
+    """``X-Cpmemory-Fit: REASON; wait_ms=W`` as (reason, W); None when absent or not in that form. Pure."""
+    if not value:
+        return None
+    reason, _, rest = value.partition(";")
+    key, _, number = rest.strip().partition("=")
+    try:
+        return (reason.strip(), float(number)) if key == "wait_ms" else None
+    except ValueError:
+        return None
 
 
 async def lines_of(chunks: AsyncIterator[bytes]) -> AsyncIterator[str]:
@@ -208,6 +222,7 @@ class ProxyClient:
                 raise EngineError(f"proxy answered HTTP {response.status_code}: {text[:300]}")
             replica = int(response.headers.get("X-Cpmemory-Replica", "-1"))
             request_id = response.headers.get("X-Cpmemory-Request-Id", "")
+            fit = fit_header(response.headers.get("X-Cpmemory-Fit"))
             accumulator = await read_stream(response.aiter_bytes(), started)
         sent = None
         if self.recording is not None:
@@ -215,7 +230,7 @@ class ProxyClient:
             sent = tuple(recorded) if recorded is not None else None
         prompt, cached = _usage(accumulator)
         return Sent(accumulator.first_token_at and accumulator.first_token_at - started,
-                    time.perf_counter() - started, prompt, cached, replica, sent)
+                    time.perf_counter() - started, prompt, cached, replica, sent, fit=fit)
 
     async def aclose(self) -> None:
         """Close the HTTP client."""

@@ -92,6 +92,7 @@ class Outcome:
     messages: tuple[Any, ...] | None = None
     error: str | None = None
     failovers: int = 0
+    fit: tuple[str, float] | None = None  # the proxy's cache-fit admission: reason, wait (ms)
 
 
 @dataclass(slots=True)
@@ -303,7 +304,7 @@ async def _one(client: Any, job: Job, multi_turn: bool, timeout_s: float, epoch:
         return Outcome(job, started - epoch, error=f"{type(error).__name__}: {str(error)[:300]}")
     ttft = None if sent.ttft_s is None else sent.ttft_s * 1000.0
     return Outcome(job, started - epoch, ttft, sent.latency_s * 1000.0, sent.prompt_tokens, sent.cached_tokens,
-                   sent.replica, sent.messages, failovers=sent.failovers)
+                   sent.replica, sent.messages, failovers=sent.failovers, fit=sent.fit)
 
 
 async def replay(client: Any, sessions: Sequence[Sequence[Job]], multi_turn: bool, settings: ServeSettings,
@@ -340,7 +341,8 @@ async def replay(client: Any, sessions: Sequence[Sequence[Job]], multi_turn: boo
 def request_record(strategy: str, outcome: Outcome, rate: float | None = None) -> dict[str, Any]:
     """One request of a run as ``bench serve --per-request`` writes it (a JSON Lines row): which strategy and
     conversation, the turn, the replica that served it, when it was sent (seconds from the run's start), TTFT and
-    latency, the engine's prompt and cached tokens and their share, failovers, and the error if it failed. This is
+    latency, the engine's prompt and cached tokens and their share, failovers, the proxy's cache-fit admission (``fit``:
+    its reason, ``fit_wait_ms``: how long the turn waited; None when it did not gate), and the error if it failed. This is
     where a run's mean comes from: which turns paid their whole prompt (``cached_share`` 0 on a later turn: its
     history was evicted or it moved replica), which replica each went to, in which order."""
     record: dict[str, Any] = {
@@ -352,6 +354,7 @@ def request_record(strategy: str, outcome: Outcome, rate: float | None = None) -
         "prompt_tokens": outcome.prompt_tokens, "cached_tokens": outcome.cached_tokens,
         "cached_share": round(outcome.cached_tokens / outcome.prompt_tokens, 4) if outcome.prompt_tokens else None,
         "failovers": outcome.failovers, "error": outcome.error,
+        "fit": outcome.fit[0] if outcome.fit else None, "fit_wait_ms": outcome.fit[1] if outcome.fit else None,
     }
     if rate is not None:
         record["rate"] = rate

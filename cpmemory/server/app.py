@@ -459,6 +459,8 @@ async def _respond(service: ProxyService, request: ChatCompletionRequest, tenant
                 opened = replace(await service.open_turn_stream(request, tenant, turn, prepared), admission=admission)
             headers = {"X-Cpmemory-Request-Id": engine_request_id(prepared),
                        "X-Cpmemory-Replica": str(opened.decision.index)}
+            if opened.fit.admission is not None:  # cache-fit admission gated it: why it was let in, how long it waited
+                headers["X-Cpmemory-Fit"] = f"{opened.fit.reason}; wait_ms={1000.0 * opened.fit.waited_s:.1f}"
             overhead = time.perf_counter() - started - opened.engine_seconds - opened.fit.waited_s
             # the background release is a safety net for a client gone before the body started (idempotent)
             return StreamingResponse(service.relay_stream(opened, prepared, overhead),
