@@ -38,7 +38,7 @@
 #   CPM_VLLM_FRONTEND_NICE  niceness of each server's API server process (HTTP, chat template, tokenizer; default
 #                      0) once it is up: only the engine core and its model worker stay at CPM_VLLM_NICE. On a GPU
 #                      host the front end has CPU cores the model does not use; at 19 here it queued behind the
-#                      model's compute and added 80-130 ms to every request of every strategy: docs/bench-serve.md,
+#                      model's compute: 124-131 ms of every request's engine TTFT (47-104 at 0): docs/bench-serve.md,
 #                      "Measured 2026-12-05 (thirteenth machine ...)". The engine core stays at 19: it spins
 #                      while the worker computes, and at 0 it took the worker's core (prefill time doubled).
 #   CPM_VLLM_CPU_BIND  the worker's cores for `start` (VLLM_CPU_OMP_THREADS_BIND; vLLM's default "auto" binds
