@@ -2,7 +2,8 @@
 
 A few dozen cross-session requests (blocks shared between requests in different relevance orders), two clients:
 no errors, nothing lost, and the proxy's online order gets more of the engines' prefix cache than the original order.
-The two servers are the equal bench replicas (17,408 tokens of KV cache each, `.ci/vllm.sh bench-up`).
+The two servers are the equal bench replicas (17,408 tokens of KV cache each) on the tiny model: ci-up starts them
+as `.ci/vllm.sh bench-up` does, on the tiny model instead of the wide bench model (the same tokenizer and KV size).
 """
 from __future__ import annotations
 
