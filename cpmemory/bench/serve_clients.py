@@ -23,6 +23,7 @@ from typing import Any, Literal
 
 from cpmemory.engines.client import StreamAccumulator
 from cpmemory.errors import EngineError
+from cpmemory.server.fit import FIT_HEADER, parse_fit_header
 
 DEFAULT_TENANT = "default"
 
@@ -50,18 +51,6 @@ class Sent:
     messages: tuple[Mapping[str, str], ...] | None
     failovers: int = 0
     fit: tuple[str, float] | None = None
-
-
-def fit_header(value: str | None) -> tuple[str, float] | None:
-    """``X-Cpmemory-Fit: REASON; wait_ms=W`` as (reason, W); None when absent or not in that form. Pure."""
-    if not value:
-        return None
-    reason, _, rest = value.partition(";")
-    key, _, number = rest.strip().partition("=")
-    try:
-        return (reason.strip(), float(number)) if key == "wait_ms" else None
-    except ValueError:
-        return None
 
 
 async def lines_of(chunks: AsyncIterator[bytes]) -> AsyncIterator[str]:
@@ -222,7 +211,7 @@ class ProxyClient:
                 raise EngineError(f"proxy answered HTTP {response.status_code}: {text[:300]}")
             replica = int(response.headers.get("X-Cpmemory-Replica", "-1"))
             request_id = response.headers.get("X-Cpmemory-Request-Id", "")
-            fit = fit_header(response.headers.get("X-Cpmemory-Fit"))
+            fit = parse_fit_header(response.headers.get(FIT_HEADER))
             accumulator = await read_stream(response.aiter_bytes(), started)
         sent = None
         if self.recording is not None:

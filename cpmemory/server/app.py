@@ -41,7 +41,7 @@ from cpmemory.routing.router import Router
 from cpmemory.routing.transport import ChatTransport, HttpxChatTransport
 from cpmemory.server.budget import EngineBudget
 from cpmemory.server.config import ServerConfig
-from cpmemory.server.fit import CacheFit
+from cpmemory.server.fit import FIT_HEADER, CacheFit
 from cpmemory.server.hold import Admission, HoldQueue, unheld
 from cpmemory.server.metrics import ProxyMetrics
 from cpmemory.server.salt import CacheSalts
@@ -460,7 +460,7 @@ async def _respond(service: ProxyService, request: ChatCompletionRequest, tenant
             headers = {"X-Cpmemory-Request-Id": engine_request_id(prepared),
                        "X-Cpmemory-Replica": str(opened.decision.index)}
             if opened.fit.admission is not None:  # cache-fit admission gated it: why it was let in, how long it waited
-                headers["X-Cpmemory-Fit"] = f"{opened.fit.reason}; wait_ms={1000.0 * opened.fit.waited_s:.1f}"
+                headers[FIT_HEADER] = opened.fit.header()
             overhead = time.perf_counter() - started - opened.engine_seconds - opened.fit.waited_s
             # the background release is a safety net for a client gone before the body started (idempotent)
             return StreamingResponse(service.relay_stream(opened, prepared, overhead),

@@ -148,9 +148,28 @@ class FitSlot:
         self._ended = True
         self.admission._end(self, replica, prompt_tokens, answer_tokens)
 
+    def header(self) -> str:
+        """The ``X-Cpmemory-Fit`` value of this turn: ``REASON; wait_ms=W`` (read back by ``parse_fit_header``)."""
+        return f"{self.reason}; wait_ms={1000.0 * self.waited_s:.1f}"
+
 
 UNGATED = FitSlot(None, "", -1, "live", 0.0)
 """The slot of a turn that admission does not gate (off, or behind a gateway without known capacity)."""
+
+FIT_HEADER = "X-Cpmemory-Fit"
+"""The streamed response's header naming the reason and wait of a turn that admission gated (absent otherwise)."""
+
+
+def parse_fit_header(value: str | None) -> tuple[str, float] | None:
+    """``REASON; wait_ms=W`` (``FitSlot.header``) as (reason, W); None when absent or not in that form. Pure."""
+    if not value:
+        return None
+    reason, _, rest = value.partition(";")
+    key, _, number = rest.strip().partition("=")
+    try:
+        return (reason.strip(), float(number)) if key == "wait_ms" else None
+    except ValueError:
+        return None
 
 
 class CacheFit:

@@ -64,14 +64,14 @@ async def test_a_later_turn_waits_while_an_older_conversation_fills_its_replica(
 
 
 async def test_a_stream_says_why_admission_let_it_in_and_how_long_it_waited(make_proxy) -> None:
-    from cpmemory.bench.serve_clients import fit_header
+    from cpmemory.server.fit import FIT_HEADER, parse_fit_header
 
     proxy = make_proxy(1, replica_cache_tokens=CACHE_TOKENS, fit_idle_ms=IDLE_MS, fit_first_idle_ms=IDLE_MS)
     seen = []
     for conversation, turn in (("a", 1), ("a", 2), ("b", 1), ("b", 2)):
         response = await proxy.client.post("/v1/chat/completions", json=body(conversation, turn, stream=True))
         assert response.status_code == 200
-        seen.append(fit_header(response.headers.get("X-Cpmemory-Fit")))
+        seen.append(parse_fit_header(response.headers.get(FIT_HEADER)))
     assert [reason for reason, _ in seen] == ["first", "live", "first", "resumed"]
     assert seen[1][1] == 0.0 and seen[3][1] >= 0.5 * IDLE_MS  # b's second turn waited for a to go idle (ms)
     off = make_proxy(1, replica_cache_tokens=CACHE_TOKENS, fit=False)
@@ -79,13 +79,14 @@ async def test_a_stream_says_why_admission_let_it_in_and_how_long_it_waited(make
     assert response.status_code == 200 and "X-Cpmemory-Fit" not in response.headers
 
 
-def test_fit_header_reads_only_its_own_form() -> None:
-    from cpmemory.bench.serve_clients import fit_header
+def test_parse_fit_header_reads_only_its_own_form() -> None:
+    from cpmemory.server.fit import FitSlot, parse_fit_header
 
-    assert fit_header("resumed; wait_ms=812.5") == ("resumed", 812.5)
-    assert fit_header("live;wait_ms=0") == ("live", 0.0)
+    assert parse_fit_header(FitSlot(None, "c", 0, "moved", 0.01234).header()) == ("moved", 12.3)
+    assert parse_fit_header("resumed; wait_ms=812.5") == ("resumed", 812.5)
+    assert parse_fit_header("live;wait_ms=0") == ("live", 0.0)
     for bad in (None, "", "live", "live; wait=3", "live; wait_ms=soon"):
-        assert fit_header(bad) is None
+        assert parse_fit_header(bad) is None
 
 
 async def test_turns_that_fit_together_do_not_wait(make_proxy) -> None:
