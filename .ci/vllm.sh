@@ -55,7 +55,9 @@
 #                      "Measured 2026-12-05 (thirteenth machine ...)". The engine core stays at 19: it spins
 #                      while the worker computes, and at 0 it took the worker's core (prefill time doubled).
 #   CPM_VLLM_CPU_BIND  the worker's cores for `start` (VLLM_CPU_OMP_THREADS_BIND; vLLM's default "auto" binds
-#                      every server to the same core); the bench replicas get core 0 and core 1
+#                      every server to the same core); the bench replicas get core 0 and core 1. A core list also
+#                      binds the engine core to those cores once the server is up (it spins while its worker
+#                      computes; free, it spun on the other replica's core too)
 #   CPM_VLLM_START_TIMEOUT  seconds to wait for /health (default 240)
 #
 # Every server gets prefix caching, prompt-token details in usage, KV events on tcp://*:KVPORT (topic
@@ -182,6 +184,7 @@ cmd_start() {
     return 1
   fi
   frontend_nice "$pid"
+  engine_core_bind "$pid"
 }
 
 # The API server (the server's own process; its engine core and worker are children) at CPM_VLLM_FRONTEND_NICE.
@@ -194,6 +197,23 @@ frontend_nice() {
   if [ "$failed" -ne 0 ]; then
     log "$NAME: could not set its API server to nice $nice (needs root or CAP_SYS_NICE); it stays at ${CPM_VLLM_NICE:-19}"
   fi
+}
+
+# The engine core (the API server's child) on its worker's cores. It busy-waits (sched_yield) for the worker's
+# output through every step, and vLLM binds only the worker's OpenMP threads: left free, the two replicas' engine
+# cores spun on whichever core the scheduler gave them, the other replica's worker's too. Measured (LoCoMo
+# sessions, 2 clients, one a replica): the engine cores took 2.6-12.3 s of CPU a run instead of 0.6-0.7 s, and
+# which replica they slowed, by how much, changed with each run's timing (cpmemory's TTFT 1,017-1,284 ms unpinned,
+# 891 ms pinned): docs/bench-serve.md, "Measured 2026-12-06".
+engine_core_bind() {
+  local pid=$1 cores=${CPM_VLLM_CPU_BIND:-} child
+  [[ "$cores" =~ ^[0-9][0-9,-]*$ ]] || return 0  # "auto" / "nobind" / unset: vLLM decides, so do we not
+  command -v taskset >/dev/null || { log "$NAME: no taskset; its engine core is not bound"; return 0; }
+  for child in $(cat /proc/"$pid"/task/*/children 2>/dev/null); do
+    if [[ "$(cat /proc/"$child"/comm 2>/dev/null)" == VLLM::EngineCor* ]]; then
+      taskset -a -p -c "$cores" "$child" >/dev/null 2>&1 || log "$NAME: could not bind its engine core to $cores"
+    fi
+  done
 }
 
 cmd_stop() {
@@ -290,5 +310,5 @@ case "${1:-}" in
   start) shift; [ $# -ge 3 ] || { log "usage: start NAME PORT KVPORT [ARGS]"; exit 2; }; cmd_start "$@" ;;
   stop) shift; [ $# -ge 1 ] || { log "usage: stop NAME"; exit 2; }; cmd_stop "$1" ;;
   status) shift; cmd_status "$1" ;;
-  *) sed -n '2,63p' "$0"; exit 2 ;;
+  *) sed -n '2,65p' "$0"; exit 2 ;;
 esac
