@@ -207,7 +207,7 @@ frontend_nice() {
 # 891 ms pinned): docs/bench-serve.md, "Measured 2026-12-06".
 engine_core_bind() {
   local pid=$1 cores=${CPM_VLLM_CPU_BIND:-} child
-  [[ "$cores" =~ ^[0-9][0-9,-]*$ ]] || return 0  # "auto" / "nobind" / unset: vLLM decides, so do we not
+  [[ "$cores" =~ ^[0-9][0-9,-]*$ ]] || return 0  # "auto" / "nobind" / unset: vLLM places the worker; leave it be
   command -v taskset >/dev/null || { log "$NAME: no taskset; its engine core is not bound"; return 0; }
   for child in $(cat /proc/"$pid"/task/*/children 2>/dev/null); do
     if [[ "$(cat /proc/"$child"/comm 2>/dev/null)" == VLLM::EngineCor* ]]; then
