@@ -11,6 +11,7 @@ import os
 import threading
 import time
 import uuid
+from pathlib import Path
 
 import pytest
 
@@ -204,11 +205,12 @@ async def test_async_client_streams_and_reads_cached_tokens():
     assert first.ttft_s is not None and second.ttft_s is not None
 
 
-def _children(pid: int) -> list[int]:
-    from pathlib import Path
 
-    return [int(child) for task in Path(f"/proc/{pid}/task").iterdir()
-            for child in (task / "children").read_text().split()]
+def _children(pid: int, comm_prefix: str) -> list[int]:
+    """Child processes of ``pid`` whose name (``/proc/PID/comm``) starts with ``comm_prefix``."""
+    children = [int(child) for task in Path(f"/proc/{pid}/task").iterdir()
+                for child in (task / "children").read_text().split()]
+    return [child for child in children if Path(f"/proc/{child}/comm").read_text().startswith(comm_prefix)]
 
 
 @pytest.mark.parametrize("name", ["cpm-main", "cpm-main-2"])
@@ -216,17 +218,13 @@ def test_each_engine_core_runs_on_its_workers_cores(name):
     """The rig (`.ci/vllm.sh`, CPM_VLLM_CPU_BIND): an engine core busy-waits for its worker through every step, so it
     must share its own worker's cores; free, it spun on the other replica's core and slowed that replica's
     prefills by an amount that changed run to run (docs/bench-serve.md, "Measured 2026-12-06")."""
-    from pathlib import Path
-
     server(*MAIN)
     pid_file = Path(os.environ.get("CPM_VLLM_RUN_DIR", "/tmp/cpmemory-vllm")) / f"{name}.pid"
     if not pid_file.exists():
         pytest.skip(f"{pid_file} missing (servers not started by .ci/vllm.sh here)")
-    api = int(pid_file.read_text())
-    cores = [child for child in _children(api) if Path(f"/proc/{child}/comm").read_text().startswith("VLLM::EngineCor")]
+    cores = _children(int(pid_file.read_text()), "VLLM::EngineCor")
     assert len(cores) == 1, f"{name}: engine core processes {cores}"
-    workers = [child for child in _children(cores[0])
-               if Path(f"/proc/{child}/comm").read_text().startswith("VLLM::Worker")]
+    workers = _children(cores[0], "VLLM::Worker")
     assert workers, f"{name}: no worker under engine core {cores[0]}"
     threads = [int(task.name) for task in Path(f"/proc/{cores[0]}/task").iterdir()]
     assert all(os.sched_getaffinity(thread) == os.sched_getaffinity(workers[0]) for thread in threads), \
