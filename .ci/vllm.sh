@@ -34,6 +34,9 @@
 # prompt), so the replicas cannot keep every active history and the prompts' order, de-duplication and routing show
 # in the cached tokens (the 48 MiB / 24,576 tokens used before 2026-12-02 held the active histories: 49,152 >
 # 46,695); these are the URLs the public acceptance check `serve` uses (CPM_VLLM_URL, CPM_VLLM_URL_2).
+# Both bench replicas run vLLM's priority scheduler (--scheduling-policy priority: the waiting queue by each
+# request's `priority`, lower first, then arrival), for the proxy's --engine-priority; a request without one has
+# priority 0, so the original order's requests are served first come first served as under the default policy.
 # The small server cpm-small (port 18102, KV events :15602, a 4 MiB KV cache (15 usable blocks, 1,920 tokens),
 # --max-model-len 1536): evictions come quickly (CPM_VLLM_SMALL_URL).
 #
@@ -258,7 +261,9 @@ start_parallel() {
 
 # one core each (the second core, if there is one, for the second replica)
 CORES=$(nproc 2>/dev/null || echo 1)
-BENCH_SERVERS=("cpm-main 18100 15600 $BENCH_KV_BYTES 0" "cpm-main-2 18101 15601 $BENCH_KV_BYTES $((1 % CORES))")
+BENCH_ARGS="--scheduling-policy priority"
+BENCH_SERVERS=("cpm-main 18100 15600 $BENCH_KV_BYTES 0 $BENCH_ARGS"
+               "cpm-main-2 18101 15601 $BENCH_KV_BYTES $((1 % CORES)) $BENCH_ARGS")
 
 cmd_bench_up() {
   cmd_install

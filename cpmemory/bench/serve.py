@@ -72,6 +72,7 @@ async def in_process_proxy(settings: ServeSettings, cache_tokens: int | None = N
                           **({"max_in_flight": settings.max_in_flight} if settings.max_in_flight else {}),
                           **({"hold_ms": settings.hold_ms} if settings.hold_ms is not None else {}),
                           tokenizer=settings.tokenizer, cache_salt=settings.cache_salt,
+                          engine_priority=settings.engine_priority,
                           upstream_session=settings.upstream_session and settings.upstream is not None,
                           **({"replica_cache_tokens": cache_tokens} if cache_tokens else {}))
     port = _free_port()
@@ -97,13 +98,14 @@ async def strategy_client(name: str, settings: ServeSettings, system_prompt: str
     """The client of one strategy (see :mod:`cpmemory.bench.serve_clients`), closed on exit."""
     from cpmemory.bench.serve_clients import DirectClient, ProxyClient
 
-    if name == "original":
+    if name in ("original", "original-priority"):
         urls = [settings.upstream] if settings.upstream else list(settings.engines)
         client: Any = DirectClient(urls, model=settings.model, max_tokens=settings.max_tokens,
                                    timeout_s=settings.engine_timeout_s, system_prompt=system_prompt,
                                    failover=settings.upstream is None,
                                    name_sessions=settings.upstream_session and settings.upstream is not None,
-                                   policy="session" if settings.original_routing == "session" else "affinity")
+                                   policy="session" if settings.original_routing == "session" else "affinity",
+                                   priority=name == "original-priority")
         try:
             yield client
         finally:
@@ -376,6 +378,9 @@ def command(
              "--max-in-flight; default off)."),
     hold_ms: float | None = typer.Option(None, "--hold-ms", min=0.0,
                                          help="The hold queue's longest wait (serve --hold-ms; default 5)."),
+    engine_priority: bool = typer.Option(
+        False, "--engine-priority/--no-engine-priority",
+        help="The in-process proxy's --engine-priority (the engines need --scheduling-policy priority)."),
     upstream_session: bool = typer.Option(
         False, "--upstream-session", help="Both strategies name each conversation to --upstream (session_params)."),
     cache_salt: bool = typer.Option(True, "--cache-salt/--no-cache-salt",
@@ -398,7 +403,7 @@ def command(
     max_tokens: int = typer.Option(8, "--max-tokens", min=1, help="Tokens generated per request."),
     timeout: float = typer.Option(300.0, "--timeout", min=0.1, help="Deadline of one request (s)."),
     engine_timeout: float = typer.Option(120.0, "--engine-timeout", min=0.1, help="Per-call engine timeout (s)."),
-    strategies: str = typer.Option(",".join(STRATEGIES), "--strategies", help="Comma-separated, in run order (original, cpmemory, cpmemory-nofit: the proxy without cache-fit admission, cpmemory-nomove: without its moves)."),
+    strategies: str = typer.Option(",".join(STRATEGIES), "--strategies", help="Comma-separated, in run order (original, cpmemory, cpmemory-nofit: the proxy without cache-fit admission, cpmemory-nomove: without its moves; original-priority: original with vLLM priorities by new prompt length)."),
     model: str = typer.Option("tiny", "--model", help="Served model name."),
     multi_turn: bool | None = typer.Option(None, "--multi-turn/--independent", help="Override the trace's flag."),
     seed: int = typer.Option(0, "--seed", help="Seed of the Poisson arrivals."),
@@ -421,7 +426,7 @@ def command(
         trace = _load(trace_file, workload, data_dir, multi_turn)
         settings = ServeSettings(
             engines=tuple(engine), upstream=upstream, proxy=proxy, kv_events=tuple(kv_events or ()), tokenizer=tokenizer,
-            fit_fill=fit_fill, max_in_flight=max_in_flight, hold_ms=hold_ms,
+            fit_fill=fit_fill, max_in_flight=max_in_flight, hold_ms=hold_ms, engine_priority=engine_priority,
             cache_salt=cache_salt, upstream_session=upstream_session, original_routing=original_routing,
             concurrency=concurrency, rate=min(rate) if rate else None, requests=requests, max_turns=max_turns, max_tokens=max_tokens,
             timeout_s=timeout, engine_timeout_s=engine_timeout, model=model, seed=seed, rounds=rounds,

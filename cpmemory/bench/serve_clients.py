@@ -91,10 +91,11 @@ class DirectClient:
 
     def __init__(self, urls: Sequence[str], *, model: str, max_tokens: int, timeout_s: float, system_prompt: str,
                  failover: bool = True, transport: Any = None, name_sessions: bool = False,
-                 policy: Literal["session", "affinity"] = "session") -> None:
+                 policy: Literal["session", "affinity"] = "session", priority: bool = False) -> None:
         """Wire a conversation-affinity router over ``urls`` (engines, or one upstream router with
         ``failover=False``; ``name_sessions``: each turn names its conversation to it, as the proxy does with
-        ``upstream_session``; ``policy``: the router's ``session`` placement or the ``affinity`` hash); no IO."""
+        ``upstream_session``; ``policy``: the router's ``session`` placement or the ``affinity`` hash; ``priority``: each
+        request carries vLLM's ``priority``, the tokens after the conversation's last answer); no IO."""
         import httpx
 
         from cpmemory.routing.dispatch import Dispatcher
@@ -105,7 +106,7 @@ class DirectClient:
         router = Router(list(urls), RouterConfig(policy=policy))
         self.failures: list[str] = []  # why a replica was failed over (EngineUnreachableError), in order
         self.dispatcher = Dispatcher(router, _FailureLog(HttpxChatTransport(client), self.failures),
-                                     timeout_s=timeout_s, failover=failover)
+                                     timeout_s=timeout_s, failover=failover, priority=priority)
         self.model, self.max_tokens, self.system_prompt = model, max_tokens, system_prompt
         self.name_sessions = name_sessions
         self.history: dict[str, list[dict[str, str]]] = defaultdict(list)

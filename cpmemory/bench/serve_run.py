@@ -31,9 +31,11 @@ from cpmemory.bench.trace import Trace, TraceRequest
 from cpmemory.errors import InvalidInputError
 
 STRATEGIES = ("original", "cpmemory")
-KNOWN_STRATEGIES = (*STRATEGIES, "cpmemory-nofit", "cpmemory-nomove")
+KNOWN_STRATEGIES = (*STRATEGIES, "cpmemory-nofit", "cpmemory-nomove", "original-priority")
 """``cpmemory-nofit``: the in-process proxy with cache-fit admission off (cpmemory.server.fit); ``cpmemory-nomove``:
-admission on without its moves (``CacheFit`` ``move``); both for ablations."""
+admission on without its moves (``CacheFit`` ``move``); ``original-priority``: ``original`` whose requests carry
+vLLM's ``priority`` by the same rule as the proxy's ``--engine-priority`` without a view of the caches (the tokens
+after the conversation's last answer: shortest new prompt first); all for ablations."""
 FIGURES = ("ttft_mean_ms", "ttft_p50_ms", "ttft_p90_ms", "latency_mean_ms", "throughput_rps", "prompt_tokens_per_s",
            "cached_tokens", "prompt_tokens", "errors", "lost_blocks")
 
@@ -54,6 +56,7 @@ class ServeSettings(BaseModel):
     tokenizer: str | None = Field(None, description="the in-process proxy's local tokenizer (cpmemory serve --tokenizer)")
     fit_fill: float | None = Field(None, gt=0, le=1, description="the in-process proxy's --fit-fill (None: its default)")
     max_in_flight: int | None = Field(None, ge=1, description="the in-process proxy's --max-in-flight (hold queue)")
+    engine_priority: bool = Field(False, description="the in-process proxy's --engine-priority")
     hold_ms: float | None = Field(None, ge=0, description="the in-process proxy's --hold-ms (with max_in_flight)")
     concurrency: int = Field(8, ge=1, le=4096)
     rate: float | None = Field(None, gt=0, description="Poisson arrivals per second (instead of concurrency)")
@@ -382,6 +385,9 @@ def validate(settings: ServeSettings) -> None:
     for own in ("cpmemory-nofit", "cpmemory-nomove"):
         if settings.proxy is not None and own in settings.strategies:
             raise InvalidInputError(f"{own} starts its own proxy: it cannot run with --proxy")
+    if settings.proxy is not None and settings.engine_priority:
+        raise InvalidInputError("--engine-priority sets the in-process proxy: give it to the running proxy "
+                                "(serve --engine-priority)")
     if settings.proxy is not None and settings.fit_fill is not None:
         raise InvalidInputError("--fit-fill sets the in-process proxy: give it to the running proxy (serve --fit-fill)")
     if settings.proxy is not None and (settings.max_in_flight is not None or settings.hold_ms is not None):

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from cpmemory.errors import EngineError, EngineUnreachableError, NoHealthyReplicaError
-from cpmemory.routing.prefix import PromptBlocks
+from cpmemory.routing.prefix import PromptBlocks, new_tokens, uncached_tokens
 from cpmemory.routing.router import RouteDecision, Router
 from cpmemory.routing.transport import ChatTransport, EngineStream
 
@@ -93,6 +93,17 @@ class StreamDispatch:
         await self.stream.aclose()
 
 
+def engine_priority(decision: RouteDecision, prompt: PromptBlocks | None, payload: Mapping[str, Any]) -> int:
+    """vLLM's ``priority`` for a call sent to ``decision``'s replica (lower is served first; ties by arrival): the
+    prompt tokens that replica must still compute, so a replica whose queue holds requests it has mostly cached
+    serves those first (shortest prefill first, SGLang's longest-prefix-match order); their prefixes are then used
+    before later prompts evict them. Without the prompt's blocks (a conversation's later turn kept on its replica)
+    the messages after the last answer stand for it: the history is that replica's cached prefix. Pure."""
+    if prompt is not None:
+        return uncached_tokens(prompt, decision.cached_blocks)
+    return new_tokens(payload.get("messages") or [])
+
+
 class Dispatcher:
     """Routes calls by affinity key, with failover. Use from one event loop."""
 
@@ -105,14 +116,17 @@ class Dispatcher:
         on_failover: Callable[[RouteDecision], None] | None = None,
         on_decision: Callable[[RouteDecision], None] | None = None,
         failover: bool = True,
+        priority: bool = False,
     ) -> None:
         """Wire a router to a transport; no IO.
 
         ``on_failover`` is called with each replica marked down, ``on_decision`` with each replica that accepted a
         call (metrics). ``failover=False`` (one gateway in front of the replicas): an unreachable engine is never
-        marked down nor retried here; its ``EngineUnreachableError`` reaches the caller.
+        marked down nor retried here; its ``EngineUnreachableError`` reaches the caller. ``priority``: each call
+        carries vLLM's ``priority`` (lower first), the tokens its replica must still compute (``engine_priority``).
         """
         self.failover = failover
+        self.priority = priority
         self.router = router
         self.transport = transport
         self.timeout_s = timeout_s
@@ -132,10 +146,11 @@ class Dispatcher:
             EngineStatusError: the engine rejected the request (not retried).
         """
 
-        async def send(url: str) -> dict[str, Any]:
-            return await self.transport.complete(url, payload, headers or {}, self.timeout_s)
+        async def send(url: str, body: Mapping[str, Any]) -> dict[str, Any]:
+            return await self.transport.complete(url, body, headers or {}, self.timeout_s)
 
-        response, decision, failovers, waited = await self._with_failover(key, send, hint, keep_in_flight=False)
+        response, decision, failovers, waited = await self._with_failover(key, payload, send, hint,
+                                                                          keep_in_flight=False)
         return DispatchResult(response, decision, failovers, waited)
 
     async def open_stream(
@@ -147,14 +162,16 @@ class Dispatcher:
         The call stays counted in flight until ``StreamDispatch.release()``.
         """
 
-        async def send(url: str) -> EngineStream:
-            return await self.transport.open_stream(url, payload, headers or {}, self.timeout_s)
+        async def send(url: str, body: Mapping[str, Any]) -> EngineStream:
+            return await self.transport.open_stream(url, body, headers or {}, self.timeout_s)
 
-        stream, decision, failovers, waited = await self._with_failover(key, send, hint, keep_in_flight=True)
+        stream, decision, failovers, waited = await self._with_failover(key, payload, send, hint,
+                                                                        keep_in_flight=True)
         return StreamDispatch(stream, decision, failovers, waited, self.router)
 
     async def _with_failover(
-        self, key: str, send: Callable[[str], Awaitable[_T]], hint: RouteHint, *, keep_in_flight: bool
+        self, key: str, payload: Mapping[str, Any], send: Callable[[str, Mapping[str, Any]], Awaitable[_T]],
+        hint: RouteHint, *, keep_in_flight: bool,
     ) -> tuple[_T, RouteDecision, int, float]:
         """Run ``send`` on the key's replica, then on the next ones while they are unreachable.
 
@@ -176,7 +193,10 @@ class Dispatcher:
             self.router.record(key, decision, hint.prompt, sticky=hint.remember)
             started = time.perf_counter()
             try:
-                result = await send(decision.url)
+                body = payload
+                if self.priority and "priority" not in payload:
+                    body = {**payload, "priority": engine_priority(decision, hint.prompt, payload)}
+                result = await send(decision.url, body)
             except EngineUnreachableError as error:
                 self.router.end(decision.url)
                 if not self.failover:

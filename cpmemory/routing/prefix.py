@@ -67,6 +67,19 @@ class PromptBlocks:
         return min(1.0, matched_blocks * self.block_tokens / self.total_tokens) if self.total_tokens else 0.0
 
 
+def uncached_tokens(prompt: PromptBlocks, matched_blocks: int) -> int:
+    """The prompt's tokens a replica whose cache holds its first ``matched_blocks`` blocks must still compute."""
+    return max(0, prompt.total_tokens - matched_blocks * prompt.block_tokens)
+
+
+def new_tokens(messages: Sequence[Mapping[str, object]]) -> int:
+    """Tokens (at ``CHARS_PER_TOKEN``) of the messages after the last assistant answer: what a conversation's
+    replica must compute for its next turn when it still caches the history. Pure, O(chars)."""
+    last_answer = max((index for index, message in enumerate(messages) if message.get("role") == "assistant"),
+                      default=-1)
+    return sum(len(str(message.get("content") or "")) for message in messages[last_answer + 1:]) // CHARS_PER_TOKEN
+
+
 def _chain(parent: bytes, data: bytes) -> bytes:
     return hashlib.blake2b(data, key=parent, digest_size=16).digest()
 

@@ -141,7 +141,7 @@ def create_app(
     router = Router(targets, config.router, view=build_view(config))
     owns_transport, owns_memory = transport is None, memory is None
     dispatcher = Dispatcher(router, transport or HttpxChatTransport(), timeout_s=config.engine_timeout_s,
-                            failover=config.upstream is None)
+                            failover=config.upstream is None, priority=config.engine_priority)
     store = build_store(config) if memory is None else None
     salts = build_salts(config, store)
     service = ProxyService(memory or build_memory(config, store), dispatcher, metrics, salts)

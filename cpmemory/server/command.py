@@ -127,6 +127,10 @@ def command(
         _FIELDS["fit_move"].default, "--fit-move/--fit-no-move",
         help="A conversation whose history no longer fits its replica's cache moves to a replica with room for it "
         "(one prefill of its history there) rather than wait for the older conversations to end."),
+    engine_priority: bool = typer.Option(
+        _FIELDS["engine_priority"].default, "--engine-priority/--no-engine-priority",
+        help="Each engine request carries vLLM's priority: the prompt tokens its replica must still compute, so the "
+        "requests a replica mostly caches are served first. Start vLLM with --scheduling-policy priority."),
     log_level: str = typer.Option("warning", "--log-level", help="uvicorn log level."),
 ) -> None:
     """Start the proxy (blocks until interrupted)."""
@@ -157,6 +161,7 @@ def command(
             upstream=upstream, router=RouterConfig(policy=router_policy),  # type: ignore[arg-type]
             replica_cache_tokens=replica_cache_tokens, max_in_flight=max_in_flight, hold_ms=hold_ms,
             fit=fit, fit_fill=fit_fill, fit_max_wait_s=fit_max_wait, fit_idle_ms=fit_idle_ms, fit_learn_idle=fit_learn_idle, fit_move=fit_move,
+            engine_priority=engine_priority,
         )
         app = create_app(config)
     except ValidationError as error:

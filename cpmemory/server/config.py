@@ -72,6 +72,13 @@ class ServerConfig(BaseModel):
             conversation's next turn (``CacheFit.idle_window_s``); off: always ``fit_idle_ms``.
         fit_move: a live conversation whose history no longer fits its replica's cache moves to a replica with room
             for it rather than wait there (``CacheFit``, "moved").
+        engine_priority: each engine request carries vLLM's ``priority`` (lower is served first): the prompt tokens
+            its replica must still compute by the router's view (``cpmemory.routing.dispatch.engine_priority``), so
+            a replica's queue serves the requests it mostly caches first and their prefixes are used before later
+            prompts evict them. The engines need ``--scheduling-policy priority`` (vLLM's V1 engine ignores the
+            field without it). Off by default: SGLang serves *higher* values first unless started with
+            ``--schedule-low-priority-values-first``, and vLLM's V0 engine refused a priority without the policy.
+            A request that sets its own ``priority`` keeps it.
         fit_first_idle_ms: the same for a conversation that has had one turn so far (a lone question frees it soon).
         fit_grace_ms: a replica with nothing in flight for this long (and for the idle window) takes the next new
             conversation anyway.
@@ -106,6 +113,7 @@ class ServerConfig(BaseModel):
     fit_move: bool = True
     fit_grace_ms: float = Field(default=100.0, ge=0, le=600_000)
     fit_max_wait_s: float = Field(default=30.0, gt=0, le=3600)
+    engine_priority: bool = False
 
     @field_validator("cache_salt_secret")
     @classmethod

@@ -32,3 +32,19 @@ def test_short_serve_run_on_two_real_replicas():
         assert 0 < figures["prompt_tokens"] < 32 * 16384
     assert report["details"]["cpmemory"]["unchecked"] == 0
     assert ours["cached_tokens"] > original["cached_tokens"], report["strategies"]
+
+
+KV = (os.environ.get("CPM_VLLM_KV_ENDPOINT"), os.environ.get("CPM_VLLM_KV_ENDPOINT_2"))
+
+
+@pytest.mark.skipif(not all(URLS) or not all(KV), reason="the CI servers' URLs and KV-event endpoints are not set")
+def test_engine_priorities_are_accepted_by_the_real_replicas():
+    """Both strategies send vLLM's ``priority`` (the replicas run ``--scheduling-policy priority``): the proxy's by
+    its KV-event view, ``original-priority``'s by new prompt length; every request is answered, nothing lost."""
+    trace = load_synthetic(requests=16, blocks_per_request=4, corpus_size=8, block_words=40, seed=7)
+    settings = ServeSettings(engines=tuple(URLS), kv_events=tuple(KV), requests=16, concurrency=4, max_tokens=4,
+                             timeout_s=120, engine_priority=True, strategies=("original-priority", "cpmemory"))
+    report = asyncio.run(run_serve(trace, settings))
+    for figures in report["strategies"].values():
+        assert figures["errors"] == 0 and figures["lost_blocks"] == 0
+    assert report["strategies"]["cpmemory"]["cached_tokens"] > 0

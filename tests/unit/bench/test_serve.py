@@ -310,6 +310,9 @@ async def test_the_bench_proxy_has_the_prompt_budget_and_finds_the_engines_token
     app = create_app(ServerConfig(engines=["http://127.0.0.1:9"]), transport=recording)
     assert recording.client is inner.client
     assert app.state.service.engine_budget is not None
+    assert not app.state.service.dispatcher.priority
+    prioritised = create_app(ServerConfig(engines=["http://127.0.0.1:9"], engine_priority=True), transport=recording)
+    assert prioritised.state.service.dispatcher.priority
     await inner.aclose()
 
 
@@ -340,6 +343,28 @@ async def test_the_original_keeps_each_conversation_on_one_replica_and_session_d
         await client.aclose()
 
 
+async def test_original_priority_sends_the_new_prompt_length_and_the_original_none():
+    """The ``original-priority`` ablation: vLLM's priority by the tokens after the conversation's last answer
+    (the proxy's rule without a cache view); plain ``original`` sends no priority."""
+    from cpmemory.bench.serve_clients import DirectClient
+    from cpmemory.core.blocks import Block
+    from cpmemory.testing.fleet import MockFleet
+
+    fleet = MockFleet(2)
+    for priority in (False, True):
+        client = DirectClient(fleet.urls, model="tiny", max_tokens=4, timeout_s=10.0, system_prompt="Answer.",
+                              transport=fleet.async_transport(), priority=priority)
+        try:
+            for turn in range(2):
+                await client.send("c", (Block("d", "a passage " * 20),), f"question {turn}", True)
+        finally:
+            await client.aclose()
+    plain, first, second = fleet.calls[0][1], fleet.calls[2][1], fleet.calls[3][1]
+    assert "priority" not in plain
+    assert first["priority"] == sum(len(m["content"]) for m in first["messages"]) // 4  # nothing answered yet
+    assert second["priority"] == len(second["messages"][-1]["content"]) // 4  # only what follows the answer
+
+
 @pytest.mark.parametrize("strategy", ["cpmemory-nofit", "cpmemory-nomove"])
 def test_ablations_start_their_own_proxy_and_unknown_strategies_are_refused(strategy):
     from cpmemory.bench.serve_run import ServeSettings, validate
@@ -354,6 +379,8 @@ def test_ablations_start_their_own_proxy_and_unknown_strategies_are_refused(stra
         validate(ServeSettings(engines=["http://e"], proxy="http://p", strategies=["cpmemory"], fit_fill=0.95))
     with pytest.raises(InvalidInputError, match="in-process proxy"):
         validate(ServeSettings(engines=["http://e"], proxy="http://p", strategies=["cpmemory"], max_in_flight=2))
+    with pytest.raises(InvalidInputError, match="in-process proxy"):
+        validate(ServeSettings(engines=["http://e"], proxy="http://p", strategies=["cpmemory"], engine_priority=True))
     with pytest.raises(InvalidInputError, match="needs --max-in-flight"):
         validate(ServeSettings(engines=["http://e"], strategies=["cpmemory"], hold_ms=50))
     validate(ServeSettings(engines=["http://e"], strategies=["cpmemory"], max_in_flight=2, hold_ms=50))

@@ -9,8 +9,9 @@ from hypothesis import strategies as st
 
 from cpmemory.errors import EngineStatusError, NoHealthyReplicaError
 from cpmemory.routing.chain_of_agents import ChainOfAgents, ChainOfAgentsConfig, split_chunks
-from cpmemory.routing.dispatch import Dispatcher, RouteHint
-from cpmemory.routing.router import Router
+from cpmemory.routing.dispatch import Dispatcher, RouteHint, engine_priority
+from cpmemory.routing.prefix import PromptBlocks, SentPrefixView
+from cpmemory.routing.router import RouteDecision, Router
 
 URLS = ["http://r0", "http://r1", "http://r2"]
 PAYLOAD = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
@@ -204,3 +205,44 @@ def test_a_fleet_really_down_is_refused_at_once_and_checked_at_most_once_a_secon
     clock[0] += dispatch.REVIVE_INTERVAL_S
     fleet.set_down(URLS, False)
     assert asyncio.run(dispatcher.complete("k", PAYLOAD)).failovers == 0  # checked again, and back
+
+
+def _prefix_dispatcher(fleet, priority: bool) -> tuple[Dispatcher, SentPrefixView]:
+    view = SentPrefixView(len(URLS), 10_000)
+    return Dispatcher(Router(URLS, view=view), fleet, priority=priority), view
+
+
+def test_engine_priority_is_the_tokens_the_chosen_replica_must_still_compute(fleet) -> None:
+    dispatcher, view = _prefix_dispatcher(fleet, priority=True)
+    first = PromptBlocks((1, 2, 3, 4), 16, 70)
+    result = asyncio.run(dispatcher.complete("prefix|a", PAYLOAD, hint=RouteHint(first)))
+    assert fleet.calls[-1][1]["priority"] == 70  # nothing cached anywhere: the whole prompt
+    # a prompt sharing three blocks goes where they are cached and counts only the rest (100 - 3 x 16)
+    second = PromptBlocks((1, 2, 3, 9, 10, 11), 16, 100)
+    again = asyncio.run(dispatcher.complete("prefix|b", PAYLOAD, hint=RouteHint(second)))
+    assert again.decision.index == result.decision.index and again.decision.cached_blocks == 3
+    assert fleet.calls[-1][1]["priority"] == 100 - 3 * 16
+    assert view.matched_blocks(result.decision.index, second) == 6  # recorded as before
+
+
+def test_engine_priority_without_blocks_counts_what_follows_the_last_answer(fleet) -> None:
+    dispatcher, _ = _prefix_dispatcher(fleet, priority=True)
+    turn = {"model": "m", "messages": [
+        {"role": "system", "content": "s" * 400},
+        {"role": "user", "content": "u" * 800},
+        {"role": "assistant", "content": "a" * 400},
+        {"role": "user", "content": "q" * 120},
+    ]}
+    asyncio.run(dispatcher.complete("conversation|c", turn, hint=RouteHint(None, sticky=True)))
+    assert fleet.calls[-1][1]["priority"] == 120 // 4
+    assert engine_priority(RouteDecision("http://r0", 0, "cold"), None, PAYLOAD) == len("hi") // 4
+
+
+def test_engine_priority_is_off_by_default_and_a_callers_own_priority_is_kept(fleet) -> None:
+    dispatcher, _ = _prefix_dispatcher(fleet, priority=False)
+    asyncio.run(dispatcher.complete("k", PAYLOAD, hint=RouteHint(PromptBlocks((1,), 16, 20))))
+    assert "priority" not in fleet.calls[-1][1]  # engines without priority scheduling may refuse one
+    dispatcher, _ = _prefix_dispatcher(fleet, priority=True)
+    asyncio.run(dispatcher.complete("k", {**PAYLOAD, "priority": -5}, hint=RouteHint(PromptBlocks((1,), 16, 20))))
+    assert fleet.calls[-1][1]["priority"] == -5
+    assert "priority" not in PAYLOAD  # the caller's payload is not changed
