@@ -286,7 +286,13 @@ class EventPrefixView:
 
     def record(self, replica: int, prompt: PromptBlocks) -> None:
         """A prompt was sent: the blocks the view lacks are pending until stored (at most ``pending_s``), and events
-        must follow within ``missing_after_s``."""
+        must follow within ``missing_after_s``.
+
+        Pending blocks are bounded by the replica's capacity (when known), the most recently sent kept: a prompt
+        that matches a pending block runs after every prompt queued since that block's, and those compute their own
+        pending blocks first; once more than the cache holds is queued after a block, LRU eviction takes it before
+        the new prompt can reuse it. Without the bound a burst of prompts routed by their first call's pending
+        prefix piled onto one replica (39 of 64 LoCoMo questions) whose cache held three of them."""
         cache = self._caches[replica]
         with self._lock:
             now = self._clock()
@@ -302,6 +308,9 @@ class EventPrefixView:
                 cache.pending[key] = deadline
                 cache.pending.move_to_end(key)
             self._expire(cache, now)
+            capacity = self._capacity[replica]
+            while capacity and len(cache.pending) > capacity:  # see ``record``: evicted before anyone reuses them
+                cache.pending.popitem(last=False)
 
     @staticmethod
     def _expire(cache: _EventCache, now: float) -> None:

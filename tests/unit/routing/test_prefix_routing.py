@@ -141,6 +141,22 @@ def test_a_sent_prompt_is_pending_until_its_blocks_are_stored_or_its_time_is_up(
     assert view.synced(0) and view.matched_blocks(0, prompt(7, 8)) == 0
 
 
+def test_pending_blocks_are_bounded_by_the_cache_the_most_recent_kept() -> None:
+    """A queue longer than the cache evicts the blocks sent first before a later prompt could reuse them: only the
+    most recent ``capacity`` pending blocks count; stored blocks are the events' and stay."""
+    view = EventPrefixView(2, [4, None], missing_after_s=1_000.0)
+    view.apply(0, EventBatch(1, 0.0, (BlockStored((1,), None, (0, 0, 0, 0), 1),)))
+    view.record(0, prompt(1, 2, 3))  # 1 is stored: 2 and 3 pending
+    view.record(0, prompt(5, 6, 7))  # five pending > 4: block 2 drops
+    assert view.matched_blocks(0, prompt(1, 2, 3)) == 1
+    assert view.matched_blocks(0, prompt(5, 6, 7)) == 3
+    view.record(0, prompt(8, 9, 10, 11))
+    assert view.matched_blocks(0, prompt(5, 6, 7)) == 0 and view.matched_blocks(0, prompt(8, 9, 10, 11)) == 4
+    for replica_one in (prompt(1, 2, 3), prompt(5, 6, 7), prompt(8, 9, 10, 11)):  # capacity unknown: no bound
+        view.record(1, replica_one)
+    assert view.matched_blocks(1, prompt(1, 2, 3)) == 3
+
+
 def test_tee_runs_every_handler_even_when_one_fails() -> None:
     seen: list[int] = []
 
