@@ -14,7 +14,15 @@ from cpmemory.engines.kv_events import (
     FrameProcessor,
     encode_frames,
 )
-from cpmemory.routing.prefix import EventPrefixView, PromptBlocks, SentPrefixView, TeeHandler, text_blocks, token_blocks
+from cpmemory.routing.prefix import (
+    PENDING_CACHES,
+    EventPrefixView,
+    PromptBlocks,
+    SentPrefixView,
+    TeeHandler,
+    text_blocks,
+    token_blocks,
+)
 from cpmemory.routing.router import Router, RouterConfig, conversation_affinity_key
 
 URLS = [f"http://r{i}" for i in range(4)]
@@ -142,12 +150,13 @@ def test_a_sent_prompt_is_pending_until_its_blocks_are_stored_or_its_time_is_up(
 
 
 def test_pending_blocks_are_bounded_by_the_cache_the_most_recent_kept() -> None:
-    """A queue longer than the cache evicts the blocks sent first before a later prompt could reuse them: only the
-    most recent ``capacity`` pending blocks count; stored blocks are the events' and stay."""
-    view = EventPrefixView(2, [4, None], missing_after_s=1_000.0)
+    """A queue much longer than the cache evicts the blocks sent first before a later prompt could reuse them: only
+    the most recent ``PENDING_CACHES`` caches' worth of pending blocks count; stored blocks are the events' and stay."""
+    assert PENDING_CACHES == 2  # the figures below: a 2-block cache keeps 4 pending blocks
+    view = EventPrefixView(2, [2, None], missing_after_s=1_000.0)
     view.apply(0, EventBatch(1, 0.0, (BlockStored((1,), None, (0, 0, 0, 0), 1),)))
     view.record(0, prompt(1, 2, 3))  # 1 is stored: 2 and 3 pending
-    view.record(0, prompt(5, 6, 7))  # five pending > 4: block 2 drops
+    view.record(0, prompt(5, 6, 7))  # five pending > 2 x 2: block 2 drops
     assert view.matched_blocks(0, prompt(1, 2, 3)) == 1
     assert view.matched_blocks(0, prompt(5, 6, 7)) == 3
     view.record(0, prompt(8, 9, 10, 11))
