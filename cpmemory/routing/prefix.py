@@ -72,12 +72,17 @@ def uncached_tokens(prompt: PromptBlocks, matched_blocks: int) -> int:
     return max(0, prompt.total_tokens - matched_blocks * prompt.block_tokens)
 
 
+def content_chars(messages: Sequence[Mapping[str, object]]) -> int:
+    """Characters of the messages' contents (content parts as their text form). Pure, O(chars)."""
+    return sum(len(str(message.get("content") or "")) for message in messages)
+
+
 def new_tokens(messages: Sequence[Mapping[str, object]]) -> int:
     """Tokens (at ``CHARS_PER_TOKEN``) of the messages after the last assistant answer: what a conversation's
     replica must compute for its next turn when it still caches the history. Pure, O(chars)."""
     last_answer = max((index for index, message in enumerate(messages) if message.get("role") == "assistant"),
                       default=-1)
-    return sum(len(str(message.get("content") or "")) for message in messages[last_answer + 1:]) // CHARS_PER_TOKEN
+    return content_chars(messages[last_answer + 1:]) // CHARS_PER_TOKEN
 
 
 def _chain(parent: bytes, data: bytes) -> bytes:

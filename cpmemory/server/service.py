@@ -46,7 +46,7 @@ from cpmemory.errors import (
 )
 from cpmemory.facade import IndexEvictor
 from cpmemory.routing.dispatch import NO_HINT, Dispatcher, DispatchResult, RouteHint, StreamDispatch
-from cpmemory.routing.prefix import text_blocks
+from cpmemory.routing.prefix import content_chars, text_blocks
 from cpmemory.routing.router import RouteDecision, conversation_affinity_key
 from cpmemory.server.budget import MAX_REPLANS, EngineBudget, EngineLimits, requested_answer_tokens, tighter_budget
 from cpmemory.server.fit import UNGATED, CacheFit, FitSlot
@@ -417,7 +417,7 @@ class ProxyService:
             except NoHealthyReplicaError:
                 return UNGATED, hint
             ranked = [first, *(index for index in healthy if index != first)]
-        chars = sum(len(str(message.get("content") or "")) for message in payload.get("messages") or [])
+        chars = content_chars(payload.get("messages") or [])
         slot = await fit.admit(key, chars, requested_answer_tokens(request, self.answer_reserve_tokens), ranked,
                                history=hint.sticky)
         if self.upstream or slot.reason in ("first", "timeout"):  # the gateway's, or the router's choice

@@ -205,7 +205,6 @@ async def test_async_client_streams_and_reads_cached_tokens():
     assert first.ttft_s is not None and second.ttft_s is not None
 
 
-
 def _children(pid: int, comm_prefix: str) -> list[int]:
     """Child processes of ``pid`` whose name (``/proc/PID/comm``) starts with ``comm_prefix``."""
     children = [int(child) for task in Path(f"/proc/{pid}/task").iterdir()
