@@ -9,6 +9,8 @@
 #   .ci/vllm.sh start NAME PORT KVPORT [ARGS] start a server in the background; waits for /health
 #   .ci/vllm.sh stop NAME                     stop the server started under NAME (by its PID file)
 #   .ci/vllm.sh status NAME                   print "up" or "down"
+#   .ci/vllm.sh dtype [KV_BYTES]              print the dtype the servers get here (and KV_BYTES, given for bf16,
+#                                             as that dtype needs them)
 #   .ci/vllm.sh bench-up                      install, build the bench model, start the two bench replicas (in
 #                                             parallel) on it
 #   .ci/vllm.sh bench-down                    stop them
@@ -62,10 +64,17 @@
 #                      binds the engine core to those cores once the server is up (it spins while its worker
 #                      computes; free, it spun on the other replica's core too)
 #   CPM_VLLM_START_TIMEOUT  seconds to wait for /health (default 240)
+#   CPM_VLLM_DTYPE     the model's dtype (default: bfloat16 on a CPU with bf16 instructions, avx512_bf16 or amx_bf16,
+#                      else float32). Without them vLLM's oneDNN linear cannot be built for bf16 ("fallback to torch
+#                      linear") and bf16 runs emulated: measured on an AMD EPYC without AVX-512 (2026-12-06), one
+#                      5,878-token prompt on an idle wide replica took 39.6 s in bf16 and 10.5 s in float32. float32
+#                      doubles the KV bytes a token, so every KV size here (CPM_VLLM_KV_BYTES, the bench and small
+#                      servers' sizes) is given for bf16 and doubled for float32: the caches hold the same tokens.
 #
 # Every server gets prefix caching, prompt-token details in usage, KV events on tcp://*:KVPORT (topic
 # "kv-events") and VLLM_SERVER_DEV_MODE=1 (POST /reset_prefix_cache). The tiny model's cache costs 2 KiB per
-# token, so CPM_VLLM_KV_BYTES=4194304 gives a 2,048-token cache (16 blocks of 128) for eviction tests.
+# token in bf16 (KV sizes here are given for bf16; see CPM_VLLM_DTYPE), so CPM_VLLM_KV_BYTES=4194304 gives a
+# 2,048-token cache (16 blocks of 128) for eviction tests.
 set -euo pipefail
 
 VENV=${CPM_VLLM_VENV:-/root/.cache/cpmemory/vllm-venv}
@@ -145,6 +154,26 @@ wait_health() {
   return 1
 }
 
+# The model's dtype: CPM_VLLM_DTYPE, else bf16 where the CPU computes it natively, float32 elsewhere.
+model_dtype() {
+  if [ -n "${CPM_VLLM_DTYPE:-}" ]; then
+    echo "$CPM_VLLM_DTYPE"
+  elif grep -qwE 'avx512_bf16|amx_bf16' /proc/cpuinfo 2>/dev/null; then
+    echo bfloat16
+  else
+    echo float32
+  fi
+}
+
+# KV bytes given for bf16 (2 bytes a value), scaled to DTYPE so the cache holds the same tokens.
+kv_bytes() {
+  local bytes=$1 dtype=$2
+  case "$dtype" in
+    float32|float) echo $((bytes * 2)) ;;
+    *) echo "$bytes" ;;
+  esac
+}
+
 cmd_start() {
   NAME=$1; local port=$2 kvport=$3; shift 3
   mkdir -p "$RUN_DIR"
@@ -156,9 +185,11 @@ cmd_start() {
   # vLLM's "auto" OpenMP binding puts every server's worker on the first core of NUMA node 0: two replicas would
   # share one core. CPM_VLLM_CPU_BIND gives each its own (a core list, e.g. "1"; "auto" / "nobind" as vLLM reads them).
   [ -n "${CPM_VLLM_CPU_BIND:-}" ] && bind_env=(VLLM_CPU_OMP_THREADS_BIND="$CPM_VLLM_CPU_BIND")
+  local dtype
+  dtype=$(model_dtype)
   if [ -n "${CPM_VLLM_KV_BYTES:-}" ]; then
     kv_env=()
-    kv_args=(--kv-cache-memory-bytes "$CPM_VLLM_KV_BYTES")
+    kv_args=(--kv-cache-memory-bytes "$(kv_bytes "$CPM_VLLM_KV_BYTES" "$dtype")")
   fi
   # setsid: the server and its engine-core children form one process group (and session) that `stop` ends
   # together. The shell inside writes its own PID (= the group id) before exec'ing vLLM, which stays right even
@@ -173,7 +204,7 @@ cmd_start() {
   setsid bash -c 'echo $$ > "$0"; exec "$@"' "$RUN_DIR/$NAME.pid" \
     nice -n "${CPM_VLLM_NICE:-19}" env "${kv_env[@]}" "${bind_env[@]}" VLLM_SERVER_DEV_MODE=1 VLLM_LOGGING_LEVEL=WARNING \
     "$VENV/bin/vllm" serve "$MODEL" --served-model-name tiny --host 127.0.0.1 --port "$port" \
-    --dtype bfloat16 --max-model-len 16384 --enforce-eager --enable-prefix-caching \
+    --dtype "$dtype" --max-model-len 16384 --enforce-eager --enable-prefix-caching \
     --enable-prompt-tokens-details --enable-scale-out \
     --kv-events-config "{\"enable_kv_cache_events\": true, \"publisher\": \"zmq\", \"endpoint\": \"tcp://*:$kvport\", \"topic\": \"kv-events\"}" \
     "${kv_args[@]}" "$@" >"$RUN_DIR/$NAME.log" 2>&1 < /dev/null &
@@ -181,7 +212,7 @@ cmd_start() {
   local pid
   pid=$(cat "$RUN_DIR/$NAME.pid" 2>/dev/null || true)
   [ -n "$pid" ] || { log "$NAME did not start"; return 1; }
-  log "starting $NAME (pid $pid, port $port, kv events tcp://127.0.0.1:$kvport, log $RUN_DIR/$NAME.log)"
+  log "starting $NAME (pid $pid, $dtype, port $port, kv events tcp://127.0.0.1:$kvport, log $RUN_DIR/$NAME.log)"
   if ! wait_health "$port" "$pid"; then
     cmd_stop "$NAME"
     return 1
@@ -315,5 +346,6 @@ case "${1:-}" in
   start) shift; [ $# -ge 3 ] || { log "usage: start NAME PORT KVPORT [ARGS]"; exit 2; }; cmd_start "$@" ;;
   stop) shift; [ $# -ge 1 ] || { log "usage: stop NAME"; exit 2; }; cmd_stop "$1" ;;
   status) shift; cmd_status "$1" ;;
-  *) sed -n '2,65p' "$0"; exit 2 ;;
+  dtype) shift; d=$(model_dtype); if [ $# -ge 1 ]; then echo "$d $(kv_bytes "$1" "$d")"; else echo "$d"; fi ;;
+  *) sed -n '2,77p' "$0"; exit 2 ;;
 esac
