@@ -90,6 +90,7 @@ class FcfsMemory(AsyncCpMemory):
     """The facade without its window planner: the proxy's queue then releases first come first served."""
 
     release_order = None  # type: ignore[assignment]
+    release_plan = None  # type: ignore[assignment]
 
 
 def configurations(holds: Sequence[float], fcfs: bool) -> list[dict[str, Any]]:

@@ -397,6 +397,11 @@ class OnlineOrderer:
             forgotten.append(oldest)
         return tuple(forgotten)
 
+    @property
+    def tail(self) -> float:
+        """The running mean of what a prompt adds besides its blocks (:meth:`note_tail`; 0 before the first)."""
+        return self._tail or 0.0
+
     def note_tail(self, size: float) -> None:
         """A prompt was written with ``size`` (unit of the block sizes) besides its blocks: its question and
         template, its own tail in the engine's cache (mutates a running mean, the cache model's per-request

@@ -25,7 +25,7 @@ from typing import Any, TypeVar
 
 from cpmemory.errors import EngineError, EngineUnreachableError, NoHealthyReplicaError
 from cpmemory.routing.prefix import PromptBlocks, new_tokens, uncached_tokens
-from cpmemory.routing.router import RouteDecision, Router
+from cpmemory.routing.router import RouteDecision, Router, RouteReason
 from cpmemory.routing.transport import ChatTransport, EngineStream
 
 _T = TypeVar("_T")
@@ -44,13 +44,15 @@ class RouteHint:
         prompt: the prompt's blocks (prefix scoring).
         sticky: the key's earlier calls carry this call's context: go back to the key's replica.
         remember: record the key's replica for its later sticky calls (a conversation, a job; not a prefix key).
-        replica: the replica the proxy's cache-fit admission placed the call on (its first try; failover as usual).
+        replica: the replica the proxy placed the call on (its first try; failover as usual).
+        placed_by: who placed it there: ``fit`` (cache-fit admission) or ``lane`` (a held window's split).
     """
 
     prompt: PromptBlocks | None = None
     sticky: bool = False
     remember: bool = True
     replica: int | None = None
+    placed_by: RouteReason = "fit"
 
 
 NO_HINT = RouteHint()
@@ -216,7 +218,7 @@ class Dispatcher:
 
     def _choose(self, key: str, tried: list[str], hint: RouteHint) -> RouteDecision:
         if hint.replica is not None and not tried:
-            placed = self.router.placed(hint.replica, hint.prompt)
+            placed = self.router.placed(hint.replica, hint.prompt, hint.placed_by)
             if placed is not None:
                 return placed
         try:

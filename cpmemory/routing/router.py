@@ -46,8 +46,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from cpmemory.errors import InvalidInputError, NoHealthyReplicaError
 from cpmemory.routing.prefix import PrefixView, PromptBlocks, Weights, replica_score
 
-RouteReason = Literal["affinity", "prefix", "cold", "load", "failover", "fit"]
-ROUTE_REASONS: tuple[RouteReason, ...] = ("affinity", "prefix", "cold", "load", "failover", "fit")
+RouteReason = Literal["affinity", "prefix", "cold", "load", "failover", "fit", "lane"]
+ROUTE_REASONS: tuple[RouteReason, ...] = ("affinity", "prefix", "cold", "load", "failover", "fit", "lane")
 
 
 class RouterConfig(BaseModel):
@@ -132,7 +132,8 @@ class RouteDecision:
             ``cold`` (no replica holds any of the prompt: load and rendezvous rank decided), ``load`` (the
             affinity or longest-prefix replica was overloaded: a less loaded one was taken), ``failover`` (the
             first choice is down or was excluded), ``fit`` (the proxy's cache-fit admission placed a new
-            conversation where its history fits, cpmemory.server.fit).
+            conversation where its history fits, cpmemory.server.fit), ``lane`` (the proxy's hold split a window over
+            the replicas and this call's lane runs there, cpmemory.server.hold).
         cached_blocks: leading prompt blocks the view says the chosen replica holds (0 without a prompt).
     """
 
@@ -230,14 +231,15 @@ class Router:
             return RouteDecision(least.url, position, "load", self.view.matched_blocks(position, prompt))
         return decision
 
-    def placed(self, index: int, prompt: PromptBlocks | None = None) -> RouteDecision | None:
-        """The decision for a call placed on replica ``index`` by admission (reason ``fit``); None when that replica
-        is down (the call is then routed as usual). Pure."""
+    def placed(self, index: int, prompt: PromptBlocks | None = None, reason: RouteReason = "fit"
+               ) -> RouteDecision | None:
+        """The decision for a call placed on replica ``index`` by the proxy (``fit``: cache-fit admission; ``lane``:
+        a held window's split); None when that replica is down (the call is then routed as usual). Pure."""
         if not 0 <= index < len(self._replicas) or not self._replicas[index].healthy:
             return None
         state = self._replicas[index]
         matched = self.view.matched_blocks(index, prompt) if self.view is not None and prompt is not None else 0
-        return RouteDecision(state.url, index, "fit", matched)
+        return RouteDecision(state.url, index, reason, matched)
 
     def sticky_replica(self, key: str) -> int | None:
         """The replica a sticky call for ``key`` goes back to now (prefix policy: remembered, healthy, not

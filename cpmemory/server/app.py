@@ -25,6 +25,7 @@ from typing import Any
 
 from cpmemory._version import __version__
 from cpmemory.core.blocks import Block
+from cpmemory.core.scheduling import ReleasePlan
 from cpmemory.engines.client import AsyncEngineClient, EngineSettings
 from cpmemory.errors import (
     CpMemoryError,
@@ -216,17 +217,27 @@ def create_app(
 
 def build_hold(config: ServerConfig, memory: TurnMemory, router: Router, metrics: ProxyMetrics,
                cache_tokens: Callable[[], int | None] | None = None) -> HoldQueue | None:
-    """The hold-and-release queue when ``max_in_flight`` is set: the facade's ``release_order`` plans each window
-    (a memory without it releases first come first served), told ``cache_tokens()`` (what the fleet's KV caches
-    hold, when known: a window that outgrows it is planned as a batch); the bound scales with the healthy
-    replicas."""
+    """The hold-and-release queue when ``max_in_flight`` is set: the facade's ``release_plan`` plans each window
+    (``release_order`` with ``hold_split`` off, behind a gateway unless each lane can be named to it as a session,
+    or where a memory has no ``release_plan``; neither: first come first served), told ``cache_tokens()`` (what the
+    fleet's KV caches hold, when known: a window that outgrows it is planned as a batch and split over the healthy
+    replicas, or the gateway's); the bound scales with the healthy replicas."""
     if config.max_in_flight is None:
         return None
+    # behind a gateway a lane can only be named as a session (its replicas known from their KV events); reordering
+    # alone, with the gateway placing each request, measured worse (docs/server.md)
+    gateway_lanes = len(config.engines) if config.upstream_session and config.attributes_gateway else 0
+    split = config.hold_split and (config.upstream is None or gateway_lanes > 1)
+    release_plan = getattr(memory, "release_plan", None) if split else None
     release_order = getattr(memory, "release_order", None)
     planner = None
-    if release_order is not None:
-        def planner(requests: Sequence[Sequence[Block]], tenant: str) -> Sequence[int]:
+    if release_plan is not None or release_order is not None:
+        def planner(requests: Sequence[Sequence[Block]], tenant: str) -> Sequence[int] | ReleasePlan:
             size = None if cache_tokens is None else cache_tokens()
+            if release_plan is not None:
+                lanes = gateway_lanes or max(1, router.healthy_count())
+                return release_plan(requests, tenant=tenant, cache_tokens=size, lanes=lanes)  # type: ignore[no-any-return]
+            assert release_order is not None
             if size is None:
                 return release_order(requests, tenant=tenant)  # type: ignore[no-any-return]
             return release_order(requests, tenant=tenant, cache_tokens=size)  # type: ignore[no-any-return]
@@ -456,7 +467,8 @@ async def _respond(service: ProxyService, request: ChatCompletionRequest, tenant
     try:
         if request.stream:
             async with admission.sending():  # a released window reaches the engines in its planned order
-                opened = replace(await service.open_turn_stream(request, tenant, turn, prepared), admission=admission)
+                opened = replace(await service.open_turn_stream(request, tenant, turn, prepared, admission),
+                                 admission=admission)
             headers = {"X-Cpmemory-Request-Id": engine_request_id(prepared),
                        "X-Cpmemory-Replica": str(opened.decision.index)}
             if opened.fit.admission is not None:  # cache-fit admission gated it: why it was let in, how long it waited
@@ -468,7 +480,7 @@ async def _respond(service: ProxyService, request: ChatCompletionRequest, tenant
                                      background=BackgroundTask(opened.release))
         async with admission.sending():  # the answer is the whole call: the next one goes as it starts
             pass
-        outcome = await service.run_turn(request, tenant, turn, prepared, started)
+        outcome = await service.run_turn(request, tenant, turn, prepared, started, admission)
     except InvalidInputError as error:  # e.g. text that cannot be encoded; the turn was aborted
         return error_response(400, "invalid_request_error", "invalid_input", str(error))
     except EngineError as error:

@@ -107,6 +107,10 @@ def command(
         "planner's order. Default: off, nothing is held."),
     hold_ms: float = typer.Option(_FIELDS["hold_ms"].default, "--hold-ms",
                                   help="The longest a request is held, in milliseconds (with --max-in-flight)."),
+    hold_split: bool = typer.Option(
+        _FIELDS["hold_split"].default, "--hold-split/--no-hold-split",
+        help="Split a held window that outgrows the replicas' caches over them: one run of the planned order per "
+        "replica, even in prefill work, each in shortest-mean-work order (with --max-in-flight)."),
     fit: bool = typer.Option(
         _FIELDS["fit"].default, "--fit/--no-fit",
         help="Cache-fit admission: a replica takes a new conversation only while the conversations it serves fit its "
@@ -160,6 +164,7 @@ def command(
             engine_timeout_s=engine_timeout, kv_events=kv_events, tokenizer=tokenizer,
             upstream=upstream, router=RouterConfig(policy=router_policy),  # type: ignore[arg-type]
             replica_cache_tokens=replica_cache_tokens, max_in_flight=max_in_flight, hold_ms=hold_ms,
+            hold_split=hold_split,
             fit=fit, fit_fill=fit_fill, fit_max_wait_s=fit_max_wait, fit_idle_ms=fit_idle_ms, fit_learn_idle=fit_learn_idle, fit_move=fit_move,
             engine_priority=engine_priority,
         )

@@ -62,6 +62,9 @@ class ServerConfig(BaseModel):
             many per healthy replica in flight, arriving requests are held and released together in the window
             planner's order (cpmemory.server.hold). None (the default): nothing is held.
         hold_ms: the longest a request is held (milliseconds).
+        hold_split: a held window that outgrows the replicas' caches is split over them (one contiguous run of the
+            planned order per replica, even in prefill work, each run in shortest-mean-work order; cpmemory.server.hold);
+            off: the router places each released request.
         fit: cache-fit admission (cpmemory.server.fit): a replica takes a new conversation only while the
             conversations it serves fit its KV cache (read from each engine's ``/metrics``, else
             ``replica_cache_tokens`` when given); the others wait, first come first served. Off where no size is known.
@@ -105,6 +108,7 @@ class ServerConfig(BaseModel):
     answer_reserve_tokens: int = Field(default=1024, ge=1)
     max_in_flight: int | None = Field(default=None, ge=1, description="per replica; None: the hold queue is off")
     hold_ms: float = Field(default=5.0, gt=0, le=1000, description="the longest a request is held")
+    hold_split: bool = Field(default=True, description="split a held window that outgrows the caches over replicas")
     fit: bool = True
     fit_fill: float = Field(default=0.9, gt=0, le=1)
     fit_idle_ms: float = Field(default=500.0, ge=0, le=600_000)

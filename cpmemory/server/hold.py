@@ -32,18 +32,30 @@ connections side by side, and reach the engine in whatever order that took (meas
 of 60 planned LoCoMo questions cached 36% of its prompt tokens, where the same plan in a simulator of the engine's
 cache caches 54%). So each released request waits (``Admission.in_turn``, at most ``SEND_TURN_S``) until the one
 before it in the window was sent (``Admission.sent``: the engine accepted the call), and the engine queues the
-window in the planned order. Use from one event loop.
+window in the planned order.
+
+A window that outgrows the replicas' caches is also *split* when the planner returns a
+:class:`~cpmemory.core.scheduling.ReleasePlan` with lanes (``CpMemory.release_plan``): one contiguous run of the
+planned order per replica, even in prefill work, each run in shortest-mean-work order. Each released request then
+carries its lane (``Admission.lane``) and the release's :class:`LaneMap`: the first request of a lane to be routed
+takes the router's choice among the replicas no other lane of its release holds, and the lane's later requests go
+to that replica. Left to the router one by one, a burst of 64 LoCoMo questions went 41 / 23 to two replicas (its
+prefix scores follow each unit's first call and its load bound counts calls, not work). Behind a gateway that keeps
+a named session on one replica (``upstream_session``, with the replicas' KV events naming how many there are), each
+lane is named to it as a session of its own instead. Use from one event loop.
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
+import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
 from cpmemory.core.blocks import Block
+from cpmemory.core.scheduling import ReleasePlan
 
 logger = logging.getLogger(__name__)
 
@@ -53,9 +65,38 @@ SEND_TURN_S = 1.0
 AdmissionReason = Literal["immediate", "slot", "timeout"]
 ReleaseOrder = Literal["planner", "fcfs"]
 
-Planner = Callable[[Sequence[Sequence[Block]], str], Sequence[int]]
+Planner = Callable[[Sequence[Sequence[Block]], str], "Sequence[int] | ReleasePlan"]
 """``planner(requests, tenant)``: the order to run a tenant's waiting requests in (a permutation of their positions),
-e.g. ``lambda requests, tenant: memory.release_order(requests, tenant=tenant)``."""
+e.g. ``lambda requests, tenant: memory.release_order(requests, tenant=tenant)``, or a plan with lanes
+(``memory.release_plan(requests, tenant=tenant, cache_tokens=..., lanes=...)``)."""
+
+
+class LaneMap:
+    """One release's lanes and the replicas they were given (a lane's first routed request claims one).
+
+    Attributes:
+        release: a fresh id of the release (behind a gateway each lane is named to it as a session of its own).
+    """
+
+    def __init__(self) -> None:
+        self._replicas: dict[int, int] = {}
+        self.release = uuid.uuid4().hex
+
+    def session_key(self, lane: int) -> str:
+        """The affinity key of ``lane`` of this release (a gateway with session affinity keeps it on one replica)."""
+        return f"lane|{self.release}|{lane}"
+
+    def replica(self, lane: int) -> int | None:
+        """The replica ``lane`` runs on, None before its first request was routed."""
+        return self._replicas.get(lane)
+
+    def claim(self, lane: int, replica: int) -> None:
+        """``lane`` runs on ``replica`` from now on (a later claim moves it, e.g. after a failover)."""
+        self._replicas[lane] = replica
+
+    def taken(self, lane: int) -> set[int]:
+        """The replicas the release's other lanes run on."""
+        return {replica for other, replica in self._replicas.items() if other != lane}
 
 
 class HoldObserver(Protocol):
@@ -96,11 +137,15 @@ class Admission:
         reason: ``immediate`` (not held), ``slot`` (released when a request ended) or ``timeout`` (waited hold_s).
         waited_s: how long the request was held.
         position: its place in its release (0 = first sent), 0 when not held.
+        lane: the lane of its release's split it runs on (None: not split, the router decides).
+        lanes: its release's lanes and their replicas (None when not split).
     """
 
     reason: AdmissionReason
     waited_s: float = 0.0
     position: int = 0
+    lane: int | None = None
+    lanes: LaneMap | None = None
     _queue: HoldQueue | None = field(default=None, repr=False)
     _after: asyncio.Event | None = field(default=None, repr=False)  # the previous request of its release was sent
     _sent: asyncio.Event | None = field(default=None, repr=False)
@@ -246,7 +291,7 @@ class HoldQueue:
         self._held = []
         if not window:
             return
-        order, planned = self._order(window)
+        order, planned, lanes = self._order(window)
         now = asyncio.get_running_loop().time()
         waits = []
         previous: asyncio.Event | None = None
@@ -255,16 +300,19 @@ class HoldQueue:
             waits.append(now - entry.arrived)
             self._admitted += 1
             sent = asyncio.Event()
-            entry.future.set_result(Admission(reason, waits[-1], position, self, previous, sent))
+            lane, lane_map = lanes.get(index, (None, None))
+            entry.future.set_result(Admission(reason, waits[-1], position, lane, lane_map, self, previous, sent))
             previous = sent
         self._observer.released(reason, "planner" if planned else "fcfs", waits)
 
-    def _order(self, window: list[_Held]) -> tuple[list[int], bool]:
+    def _order(self, window: list[_Held]) -> tuple[list[int], bool, dict[int, tuple[int, LaneMap]]]:
         """The release order of ``window``: each tenant's requests with blocks are ordered by the planner among
-        the positions they hold; the rest keep their arrival positions. Returns (order, whether planned)."""
+        the positions they hold; the rest keep their arrival positions. Returns (order, whether planned, the lane
+        and lane map of each request of a split tenant window, by its window index)."""
         order = list(range(len(window)))
+        lanes: dict[int, tuple[int, LaneMap]] = {}
         if self._planner is None:
-            return order, False
+            return order, False, lanes
         groups: dict[str, list[int]] = {}
         for index, entry in enumerate(window):
             if entry.blocks:
@@ -274,26 +322,37 @@ class HoldQueue:
         for tenant, positions in groups.items():
             if len(positions) < 2:
                 continue  # nothing to order: prepare orders a lone request itself
-            permutation = self._plan(tenant, [window[index].blocks for index in positions])
-            if permutation is None:
+            plan = self._plan(tenant, [window[index].blocks for index in positions])
+            if plan is None:
                 failed = True
                 continue
+            permutation, plan_lanes = plan
             for slot, chosen in zip(positions, permutation):
                 order[slot] = positions[chosen]
+            if any(lane is not None for lane in plan_lanes):
+                lane_map = LaneMap()
+                for position, lane in zip(positions, plan_lanes):
+                    if lane is not None:
+                        lanes[position] = (lane, lane_map)
             planned = True
-        return order, planned and not failed
+        return order, planned and not failed, lanes
 
-    def _plan(self, tenant: str, requests: list[tuple[Block, ...]]) -> list[int] | None:
+    def _plan(self, tenant: str, requests: list[tuple[Block, ...]]) -> tuple[list[int], Sequence[int | None]] | None:
+        """The planner's permutation and lanes (None each when it gave a plain order); None when it failed."""
         assert self._planner is not None
         try:
-            permutation = [int(position) for position in self._planner(requests, tenant)]
+            result = self._planner(requests, tenant)
+            if isinstance(result, ReleasePlan):
+                permutation, lanes = [int(position) for position in result.order], result.lanes
+            else:
+                permutation, lanes = [int(position) for position in result], (None,) * len(requests)
         except Exception as error:  # noqa: BLE001 - any planner failure means first come first served
             logger.warning("hold queue: the planner failed (%s); releasing in arrival order", error)
             self._observer.planner_failed()
             return None
-        if sorted(permutation) != list(range(len(requests))):
+        if sorted(permutation) != list(range(len(requests))) or len(lanes) != len(requests):
             logger.warning("hold queue: the planner returned no permutation; releasing in arrival order")
             self._observer.planner_failed()
             return None
-        return permutation
+        return permutation, lanes
 

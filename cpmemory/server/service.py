@@ -217,9 +217,15 @@ class ProxyService:
         self._served_on: OrderedDict[str, int] = OrderedDict()  # conversation key -> the replica that served it
 
     async def route_hint(self, payload: Mapping[str, Any], sticky: bool, remember: bool = True,
-                         key: str | None = None) -> RouteHint:
+                         key: str | None = None, placed: bool = False) -> RouteHint:
         """The router's hint for one engine payload: its prompt blocks (engine hashes when the replicas publish KV
         events and the view follows them, else character chunks) and whether its key is sticky.
+
+        ``placed``: the call's replica is already decided (its split window's lane has one): no engine hashes are
+        asked for (its prompt is registered for eviction sync after the answer). A ``/tokenize`` call waits behind
+        the engine's prefill on its API server, seconds under a burst, and a released window is sent one request
+        after the other: a slow one let the next ones overtake it (``SEND_TURN_S``) and the engines queued the lanes
+        out of their planned order.
 
         Engine hashes cost a ``/tokenize`` call before the request can be sent; a sticky call whose replica the
         router keeps (``Router.sticky_replica``) skips it (its prompt is registered for eviction sync after the
@@ -230,7 +236,7 @@ class ProxyService:
         if self.upstream or router.view is None or router.config.policy == "affinity":
             return RouteHint(None, sticky, remember)
         if self.kv_sync is not None and getattr(self.kv_sync, "view", None) is router.view:
-            if sticky and key is not None and router.sticky_replica(key) is not None:
+            if placed or (sticky and key is not None and router.sticky_replica(key) is not None):
                 return RouteHint(None, sticky, remember)
             # the least loaded replica in rotation tokenizes (its API server is the least busy)
             healthy = [status.url for status in sorted(router.status(), key=lambda status: status.in_flight)
@@ -241,14 +247,50 @@ class ProxyService:
             return RouteHint(blocks, sticky, remember)
         return RouteHint(text_blocks(payload.get("messages") or []), sticky, remember)
 
+    def lane_placed(self, admission: Admission | None, sticky: bool) -> bool:
+        """Whether the call's split-window lane already runs on a healthy replica (:meth:`lane_hint` will send it
+        there without asking the router)."""
+        if admission is None or admission.lane is None or admission.lanes is None or self.upstream or sticky:
+            return False
+        replica = admission.lanes.replica(admission.lane)
+        router = self.dispatcher.router
+        return replica is not None and router.is_healthy(router.urls[replica])
+
+    def lane_hint(self, admission: Admission | None, key: str, hint: RouteHint) -> RouteHint:
+        """The hint of a call whose held window was split over the replicas (``Admission.lane``): its lane's
+        replica; the lane's first call claims the router's choice among the replicas no other lane of its release
+        holds (any healthy one when all are held). A sticky call (its history is where it is), a call behind a
+        gateway, or one not split: the hint unchanged."""
+        if admission is None or admission.lane is None or admission.lanes is None or self.upstream or hint.sticky:
+            return hint
+        router = self.dispatcher.router
+        lanes, lane = admission.lanes, admission.lane
+        replica = lanes.replica(lane)
+        if replica is None or not router.is_healthy(router.urls[replica]):
+            taken = [router.urls[index] for index in lanes.taken(lane)]
+            try:
+                try:
+                    replica = router.choose(key, exclude=taken, prompt=hint.prompt).index
+                except NoHealthyReplicaError:  # every free replica is down: share one with another lane
+                    replica = router.choose(key, prompt=hint.prompt).index
+            except NoHealthyReplicaError:
+                return hint  # the dispatcher reports it
+            lanes.claim(lane, replica)
+        return replace(hint, replica=replica, placed_by="lane")
+
     def cache_salt(self, tenant: str) -> str | None:
         """The tenant's vLLM ``cache_salt``: a keyed hash of the tenant, stable across restarts (see ``salt``);
         None when salts are off (``ServerConfig.cache_salt``)."""
         return self.salts.salt(tenant) if self.salt_requests else None
 
-    def _name_session(self, body: dict[str, Any], key: str) -> None:
-        """Behind a gateway with ``upstream_session``: the turn names its conversation (``session_params``)."""
+    def _name_session(self, body: dict[str, Any], key: str, admission: Admission | None = None,
+                      sticky: bool = False) -> None:
+        """Behind a gateway with ``upstream_session``: the turn names its conversation (``session_params``), or, a
+        turn without history of a split held window, its lane (so the gateway keeps the lane on one replica)."""
         if self.upstream and self.upstream_session:
+            lanes = admission.lanes if admission is not None else None
+            if lanes is not None and admission is not None and admission.lane is not None and not sticky:
+                key = lanes.session_key(admission.lane)
             body["session_params"] = session_params(key)
 
     def engine_payload(
@@ -338,18 +380,21 @@ class ProxyService:
         return OpenedStream(opened, payload.strip_usage)
 
     async def run_turn(
-        self, request: ChatCompletionRequest, tenant: str, turn: TurnInput, prepared: PreparedTurn, started: float
+        self, request: ChatCompletionRequest, tenant: str, turn: TurnInput, prepared: PreparedTurn, started: float,
+        admission: Admission | None = None,
     ) -> TurnOutcome:
         """Send a prepared turn, then commit (success) or abort (any failure, re-raised: an engine error, or a
-        request that cannot be encoded, InvalidInputError)."""
+        request that cannot be encoded, InvalidInputError). ``admission``: its hold queue's (a split window's lane)."""
         await self.salts.ready()
         request_id = engine_request_id(prepared)
         payload = self.engine_payload(request, prepared.messages, request_id, tenant).body
         key = conversation_affinity_key(tenant, turn.conversation_id)
-        self._name_session(payload, key)
+        self._name_session(payload, key, admission, has_history(turn, prepared))
         slot = UNGATED
         try:
-            hint = await self.route_hint(payload, has_history(turn, prepared), key=key)
+            hint = await self.route_hint(payload, has_history(turn, prepared), key=key,
+                                         placed=self.lane_placed(admission, has_history(turn, prepared)))
+            hint = self.lane_hint(admission, key, hint)
             slot, hint = await self.place(key, payload, hint, request)
             result = await self.dispatcher.complete(key, payload, request_headers(request_id), hint)
         except BaseException as error:
@@ -370,16 +415,19 @@ class ProxyService:
         return TurnOutcome({**result.response, "cpmemory": info})
 
     async def open_turn_stream(self, request: ChatCompletionRequest, tenant: str, turn: TurnInput,
-                               prepared: PreparedTurn) -> OpenedStream:
-        """Open the engine stream of a prepared turn; abort the turn if it cannot be sent (re-raised)."""
+                               prepared: PreparedTurn, admission: Admission | None = None) -> OpenedStream:
+        """Open the engine stream of a prepared turn; abort the turn if it cannot be sent (re-raised).
+        ``admission``: its hold queue's (a split window's lane)."""
         await self.salts.ready()
         request_id = engine_request_id(prepared)
         payload = self.engine_payload(request, prepared.messages, request_id, tenant)
         key = conversation_affinity_key(tenant, turn.conversation_id)
-        self._name_session(payload.body, key)
+        self._name_session(payload.body, key, admission, has_history(turn, prepared))
         slot = UNGATED
         try:
-            hint = await self.route_hint(payload.body, has_history(turn, prepared), key=key)
+            hint = await self.route_hint(payload.body, has_history(turn, prepared), key=key,
+                                         placed=self.lane_placed(admission, has_history(turn, prepared)))
+            hint = self.lane_hint(admission, key, hint)
             slot, hint = await self.place(key, payload.body, hint, request)
             opened = await self.dispatcher.open_stream(key, payload.body, request_headers(request_id), hint)
         except BaseException:
@@ -411,6 +459,8 @@ class ProxyService:
             ranked = [0]
         elif hint.sticky and fit.replica_of(key) in healthy:  # a live conversation stays: no routing choice needed
             ranked = healthy
+        elif hint.replica is not None and hint.replica in healthy:  # its lane's replica (a held window's split)
+            ranked = [hint.replica, *(index for index in healthy if index != hint.replica)]
         else:
             try:
                 first = router.choose(key, prompt=hint.prompt, sticky=hint.sticky).index
@@ -424,7 +474,7 @@ class ProxyService:
             return slot, hint
         if slot.reason == "room" and slot.replica == ranked[0] and not slot.waited_s:
             return slot, hint  # the router's choice, its view fresh
-        return slot, replace(hint, replica=slot.replica)  # the conversation's replica (it may have moved)
+        return slot, replace(hint, replica=slot.replica, placed_by="fit")  # the conversation's (it may have moved)
 
     def _register(self, replica: int, sent: _Registration) -> None:
         """Register a committed prompt for eviction sync: its known hashes, else a background ``/tokenize``; behind

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from cpmemory.core.index import ContextIndex
 from cpmemory.core.online import OnlineOrderer
+from cpmemory.core.scheduling import ReleasePlan, interleave, split_lanes
 from cpmemory.types import SharedOrder
 
 MAX_PLANNED = 4096
@@ -82,6 +83,43 @@ class TenantIndexes:
         The block orders planned are kept (bounded) and used when these requests are prepared. ``capacity``: the
         engine's prefix cache in the unit of ``sizes`` (None: unknown).
         """
+        schedule, _ = self._plan_window(tenant, contexts, sizes, capacity)
+        return schedule
+
+    def release_plan(
+        self,
+        tenant: str,
+        contexts: Sequence[Sequence[Hashable]],
+        sizes: Sequence[Sequence[float]],
+        capacity: float | None,
+        lanes: int,
+    ) -> ReleasePlan:
+        """:meth:`release_order`, and a window that outgrows ``capacity`` (what the ``lanes`` replicas' caches hold
+        together) split over the lanes (``cpmemory.core.scheduling.split_lanes``: even work, each lane in
+        shortest-mean-work order), sent dealt one from each lane in turn. A window that fits keeps the plain order
+        and no lanes (the router's view of what each replica caches places it better). Mutates as
+        :meth:`release_order`."""
+        schedule, orders = self._plan_window(tenant, contexts, sizes, capacity)
+        count = len(contexts)
+        if capacity is None or sum(sum(sized) for sized in sizes) <= capacity:
+            return ReleasePlan(tuple(schedule), (None,) * count)
+        filled = [position for position in schedule if contexts[position]]
+        weights = {key: size for keys, sized in zip(contexts, sizes) for key, size in zip(keys, sized)}
+        with self._lock:
+            tail = self._orderer(tenant).tail
+        runs = split_lanes([orders[position] for position in filled], weights, lanes, tail)
+        lane_of: list[int | None] = [None] * count
+        for lane, run in enumerate(runs):
+            for index in run:
+                lane_of[filled[index]] = lane
+        order = [filled[index] for index in interleave(runs)]
+        order += [position for position in schedule if not contexts[position]]
+        return ReleasePlan(tuple(order), tuple(lane_of))
+
+    def _plan_window(
+        self, tenant: str, contexts: Sequence[Sequence[Hashable]], sizes: Sequence[Sequence[float]],
+        capacity: float | None,
+    ) -> tuple[list[int], list[list[Hashable]]]:
         with self._lock:
             schedule, orders = self._orderer(tenant).plan_window(contexts, sizes, capacity)
             planned = self._planned.setdefault(tenant, OrderedDict())
@@ -90,7 +128,7 @@ class TenantIndexes:
                     planned[frozenset(keys)] = order
             while len(planned) > MAX_PLANNED:
                 planned.popitem(last=False)
-        return schedule
+        return schedule, orders
 
     def order_and_place(
         self,

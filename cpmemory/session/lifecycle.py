@@ -20,6 +20,7 @@ from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from typing import Any, NoReturn
 
 from cpmemory.core.blocks import BlockLike, normalize_blocks
+from cpmemory.core.scheduling import ReleasePlan
 from cpmemory.errors import (
     InvalidInputError,
     PromptBudgetError,
@@ -260,6 +261,33 @@ class FacadeCore:
         Raises:
             InvalidInputError: ``requests`` is not a list of block lists, or ``cache_tokens`` is negative.
         """
+        contexts, sizes, capacity = self._window(requests, tenant, cache_tokens)
+        return self._indexes.release_order(tenant, contexts, sizes, capacity)
+
+    def release_plan(
+        self, requests: Sequence[Iterable[BlockLike]], *, tenant: str = "default", cache_tokens: int | None = None,
+        lanes: int = 1,
+    ) -> ReleasePlan:
+        """:meth:`release_order` for a window spread over ``lanes`` engine replicas (the proxy's hold queue).
+
+        A window that outgrows ``cache_tokens`` (what the replicas' caches hold together) is planned as
+        :meth:`release_order` plans it, then cut into one contiguous run per replica with even prefill work and
+        each run put in shortest-mean-work order (``cpmemory.core.scheduling.split_lanes``); the plan's order deals
+        the runs out one request from each in turn, and its ``lanes`` say which run each request belongs to. A
+        window that fits gets :meth:`release_order`'s order and no lanes.
+
+        Raises:
+            InvalidInputError: as :meth:`release_order`, or ``lanes`` is not a positive integer.
+        """
+        if isinstance(lanes, bool) or not isinstance(lanes, int) or lanes < 1:
+            raise InvalidInputError(f"lanes must be a positive integer, got {lanes!r}")
+        contexts, sizes, capacity = self._window(requests, tenant, cache_tokens)
+        return self._indexes.release_plan(tenant, contexts, sizes, capacity, lanes)
+
+    def _window(
+        self, requests: Sequence[Iterable[BlockLike]], tenant: str, cache_tokens: int | None
+    ) -> tuple[list[list[str]], list[list[float]], float | None]:
+        """A window's block keys and sizes (characters), and the cache in characters; validates."""
         if isinstance(requests, (str, bytes, Mapping)):
             raise InvalidInputError("requests must be a list of block lists")
         if cache_tokens is not None and (isinstance(cache_tokens, bool) or cache_tokens < 0):
@@ -273,7 +301,7 @@ class FacadeCore:
             contexts.append(list(length))
             sizes.append(list(length.values()))
         capacity = None if cache_tokens is None else cache_tokens * self.config.chars_per_token
-        return self._indexes.release_order(tenant, contexts, sizes, capacity)
+        return contexts, sizes, capacity
 
     def _insert_planned(self, tenant: str, blocks: Sequence[Any], ids: Sequence[str]) -> str:
         if not ids:

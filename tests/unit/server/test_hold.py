@@ -256,3 +256,37 @@ async def test_a_released_window_is_sent_in_its_planned_order():
     first.done()  # it failed before it was sent
     await asyncio.wait_for(second.in_turn(timeout_s=5), timeout=1)
     await asyncio.wait_for(third.in_turn(timeout_s=0.05), timeout=1)  # second never says sent: the wait is bounded
+
+
+async def test_a_split_plan_gives_each_released_request_its_lane_and_one_lane_map_per_release():
+    from cpmemory.core.scheduling import ReleasePlan
+
+    recorder = Recorder()
+    plan = ReleasePlan((2, 0, 3, 1), (0, 1, 0, 1))
+    queue = HoldQueue(1, LONG, planner=lambda requests, tenant: plan, observer=recorder)
+    running = queue.try_admit()
+    tasks, admitted = await start_waiters(queue, [(name, blocks(i)) for i, name in enumerate("abcd")])
+    running.done()
+    await asyncio.gather(*tasks)
+    assert [name for name, _ in admitted] == ["c", "a", "d", "b"]
+    assert {name: admission.lane for name, admission in admitted} == {"a": 0, "b": 1, "c": 0, "d": 1}
+    maps = {id(admission.lanes) for _, admission in admitted}
+    assert len(maps) == 1 and admitted[0][1].lanes is not None
+    lanes = admitted[0][1].lanes
+    assert lanes.replica(0) is None
+    lanes.claim(0, 1)
+    assert lanes.replica(0) == 1 and lanes.taken(1) == {1} and lanes.taken(0) == set()
+    assert recorder.releases == [("slot", "planner", 4)]
+
+
+async def test_a_plan_whose_lanes_do_not_match_the_window_is_not_followed():
+    from cpmemory.core.scheduling import ReleasePlan
+
+    recorder = Recorder()
+    queue = HoldQueue(1, LONG, planner=lambda requests, tenant: ReleasePlan((1, 0), (0,)), observer=recorder)
+    running = queue.try_admit()
+    tasks, admitted = await start_waiters(queue, [("a", blocks(1)), ("b", blocks(2))])
+    running.done()
+    await asyncio.gather(*tasks)
+    assert [name for name, _ in admitted] == ["a", "b"] and {a.lane for _, a in admitted} == {None}
+    assert recorder.failures == 1

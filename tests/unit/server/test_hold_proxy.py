@@ -13,6 +13,7 @@ import pytest
 
 from cpmemory.core.blocks import Block
 from cpmemory.core.invariants import check_no_loss
+from cpmemory.core.scheduling import ReleasePlan
 from cpmemory.facade import AsyncCpMemory
 from cpmemory.server.app import ServerConfig, create_app
 from cpmemory.testing.fleet import MockFleet
@@ -41,10 +42,11 @@ class GatedTransport:
         self.gate = asyncio.Event()
         self.entered = asyncio.Event()
         self.calls = 0
+        self.gated = 1  # how many first calls wait for the gate
 
     async def _wait_first(self) -> None:
         self.calls += 1
-        if self.calls == 1:
+        if self.calls <= self.gated:
             self.entered.set()
             await self.gate.wait()
 
@@ -67,13 +69,14 @@ class ReversingMemory(AsyncCpMemory):
     """A facade whose window planner runs the window backwards (today's planner keeps the arrival order, so this
     shows the proxy follows whatever order the planner gives)."""
 
-    def release_order(self, requests, *, tenant="default"):
-        return list(reversed(super().release_order(requests, tenant=tenant)))
+    def release_plan(self, requests, *, tenant="default", cache_tokens=None, lanes=1):
+        plan = super().release_plan(requests, tenant=tenant, cache_tokens=cache_tokens, lanes=lanes)
+        return ReleasePlan(tuple(reversed(plan.order)), plan.lanes)
 
 
 class HeldProxy:
-    def __init__(self, memory: AsyncCpMemory, **config: Any) -> None:
-        self.fleet = MockFleet(1, block_size=16, capacity_blocks=4096)
+    def __init__(self, memory: AsyncCpMemory, replicas: int = 1, **config: Any) -> None:
+        self.fleet = MockFleet(replicas, block_size=16, capacity_blocks=4096)
         self.transport = GatedTransport(self.fleet.chat_transport())
         self.memory = memory
         config.setdefault("hold_ms", 1000.0)  # the longest allowed: releases come from slots unless a test says so
@@ -115,8 +118,8 @@ class HeldProxy:
 async def held_proxy():
     made: list[HeldProxy] = []
 
-    def factory(memory: AsyncCpMemory | None = None, **config: Any) -> HeldProxy:
-        proxy = HeldProxy(memory or AsyncCpMemory(), **config)
+    def factory(memory: AsyncCpMemory | None = None, replicas: int = 1, **config: Any) -> HeldProxy:
+        proxy = HeldProxy(memory or AsyncCpMemory(), replicas, **config)
         made.append(proxy)
         return proxy
 
@@ -324,7 +327,91 @@ def test_the_hold_planner_is_told_the_fleet_cache_and_plans_a_window_that_outgro
     assert fleet_cache_tokens(ServerConfig(engines=engines), None) is None  # the default size is not a reading
     assert fleet_cache_tokens(ServerConfig(engines=engines), CacheFit([300, 500])) == 800  # read from the engines
     assert fleet_cache_tokens(ServerConfig(engines=engines), CacheFit([300, None])) is None
-    order = small.state.service.hold._planner(window, "default")
-    clusters = [window[position][0].id[0] for position in order]
-    assert sorted(order) == list(range(12)) and clusters in (sorted(clusters), sorted(clusters, reverse=True))
-    assert list(unknown.state.service.hold._planner(window, "default")) == list(range(12))  # arrival order
+    plan = small.state.service.hold._planner(window, "default")
+    assert sorted(plan.order) == list(range(12))
+    # split over the two replicas: each cluster (its shared prefix) on one lane, the lanes dealt out in turn
+    lane_of = {window[position][0].id[0]: set() for position in range(12)}
+    for position, lane in enumerate(plan.lanes):
+        lane_of[window[position][0].id[0]].add(lane)
+    assert sorted(lane_of.values(), key=str) == [{0}, {1}]
+    assert [plan.lanes[position] for position in plan.order] == [0, 1] * 6
+    plain = unknown.state.service.hold._planner(window, "default")
+    assert list(plain.order) == list(range(12)) and set(plain.lanes) == {None}  # arrival order, not split
+    gateway = create_app(ServerConfig(upstream="http://gateway", max_in_flight=1, replica_cache_tokens=100),
+                         memory=AsyncCpMemory())  # the gateway places: planned, never split
+    assert sorted(gateway.state.service.hold._planner(window, "default")) == list(range(12))
+
+
+CLUSTERS = {cluster: [Block(f"{cluster}{s}", f"{cluster} shared {s} " + "word " * 60) for s in range(3)]
+            for cluster in "ab"}
+
+
+def cluster_body(name: str, cluster: str, number: int) -> dict[str, Any]:
+    own = Block(f"{name}-own", f"{name} own {number} " + "word " * 20)
+    listed = [{"id": block.id, "text": block.text} for block in [*CLUSTERS[cluster], own]]
+    return {"model": "tiny", "max_tokens": 8, "messages": [{"role": "user", "content": f"Question of {name}?"}],
+            "cpmemory": {"conversation_id": name, "blocks": listed}}
+
+
+@pytest.mark.parametrize("split", [True, False])
+async def test_a_window_that_outgrows_the_caches_is_split_one_prefix_group_a_replica(held_proxy, split):
+    proxy = held_proxy(replicas=2, replica_cache_tokens=150, hold_split=split, fit=False)
+    proxy.transport.gated = 2  # both slots (one a replica) stay busy until the window is held
+    busy = [proxy.post(cluster_body(f"busy{n}", "ab"[n], 99)) for n in range(2)]
+    await proxy.until(lambda: proxy.transport.calls == 2)
+    names = [(f"{cluster}{n}", cluster, n) for n in range(4) for cluster in "ab"]  # the clusters arrive mixed
+    held = []
+    for count, (name, cluster, n) in enumerate(names, 1):
+        held.append(proxy.post(cluster_body(name, cluster, n)))
+        await proxy.until(lambda count=count: proxy.hold.waiting == count)
+    proxy.transport.gate.set()
+    responses = await asyncio.gather(*busy, *held)
+    assert [response.status_code for response in responses] == [200] * len(responses)
+    infos = {response.json()["cpmemory"]["conversation_id"]: response.json()["cpmemory"] for response in responses}
+    replica = {name: infos[name]["replica"] for name, _, _ in names}
+    by_name = {call["messages"][-1]["content"].rsplit("Question of ", 1)[1].rstrip("?"): call
+               for _, call in proxy.fleet.calls}
+    for name, cluster, n in names:  # every block reached its engine
+        body_blocks = cluster_body(name, cluster, n)["cpmemory"]["blocks"]
+        assert check_no_loss([Block(b["id"], b["text"]) for b in body_blocks], by_name[name]["messages"]).ok
+    if split:
+        assert {replica[f"a{n}"] for n in range(4)} != {replica[f"b{n}"] for n in range(4)}
+        assert all(len({replica[f"{cluster}{n}"] for n in range(4)}) == 1 for cluster in "ab")
+        assert {infos[name]["route_reason"] for name, _, _ in names} == {"lane"}
+    else:
+        assert "lane" not in {infos[name]["route_reason"] for name, _, _ in names}
+
+
+async def test_behind_a_gateway_each_lane_of_a_split_window_is_named_as_its_own_session():
+    """vllm-router keeps a named session on one replica: the lanes reach it as two sessions, one per prefix group."""
+    fleet = MockFleet(1, block_size=16, capacity_blocks=4096)
+    transport = GatedTransport(fleet.chat_transport())
+    config = ServerConfig(upstream=fleet.urls[0], engines=["http://replica-0", "http://replica-1"],
+                          kv_events=["tcp://127.0.0.1:9", "tcp://127.0.0.1:10"], upstream_session=True,
+                          cache_salt=False, max_in_flight=1, hold_ms=1000.0, replica_cache_tokens=150, fit=False)
+    app = create_app(config, memory=AsyncCpMemory(), transport=transport)
+    client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://proxy", timeout=30)
+    hold = app.state.service.hold
+    try:
+        post = lambda payload: asyncio.ensure_future(client.post("/v1/chat/completions", json=payload))  # noqa: E731
+        busy = post(cluster_body("busy", "a", 99))
+        await asyncio.wait_for(transport.entered.wait(), 10)
+        names = [(f"{cluster}{n}", cluster, n) for n in range(4) for cluster in "ab"]
+        held = []
+        for count, (name, cluster, n) in enumerate(names, 1):
+            held.append(post(cluster_body(name, cluster, n)))
+            for _ in range(2000):
+                if hold.waiting == count:
+                    break
+                await asyncio.sleep(0.001)
+        transport.gate.set()
+        responses = await asyncio.gather(busy, *held)
+        assert [response.status_code for response in responses] == [200] * len(responses)
+        session = {call["messages"][-1]["content"].rsplit("Question of ", 1)[1].rstrip("?"):
+                   call["session_params"]["session_id"] for _, call in fleet.calls}
+        for cluster in "ab":
+            assert len({session[f"{cluster}{n}"] for n in range(4)}) == 1
+        assert session["a0"] != session["b0"] and session["busy"] not in (session["a0"], session["b0"])
+    finally:
+        await client.aclose()
+        await transport.aclose()
