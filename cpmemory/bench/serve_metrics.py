@@ -34,6 +34,7 @@ PROXY_SAMPLES = {
     "cpmemory_local_tokenizer": "local_tokenizer",
     "cpmemory_fit_idle_window_seconds": "idle_window_s",
     "cpmemory_hold_held_total": "hold_held", "cpmemory_hold_seconds_sum": "hold_wait_s",
+    "cpmemory_hold_send_timeouts_total": "hold_send_timeouts",
 }
 GAUGES = ("local_tokenizer", "idle_window_s")
 """Samples that are states, not counters: a delta keeps the later value, pooled rounds the largest."""
@@ -155,4 +156,5 @@ def proxy_summary(raw: Mapping[str, float] | None) -> dict[str, Any] | None:
             "local_tokenizer": bool(raw.get("local_tokenizer")),
             "hold_held": int(raw.get("hold_held", 0)),
             "hold_wait_per_request_ms": round(1000.0 * raw.get("hold_wait_s", 0.0) / count, 1) if count else None,
-            "hold_windows": grouped("holdwin_")}
+            "hold_windows": grouped("holdwin_"),
+            "hold_send_timeouts": int(raw.get("hold_send_timeouts", 0))}

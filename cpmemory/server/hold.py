@@ -114,6 +114,9 @@ class HoldObserver(Protocol):
     def planner_failed(self) -> None:
         """The planner raised or returned something other than a permutation: that window went FCFS."""
 
+    def send_timed_out(self) -> None:
+        """A released request waited ``SEND_TURN_S`` for the one before it to be sent and went on without it."""
+
 
 class _NullObserver:
     def held(self, waiting: int) -> None:
@@ -126,6 +129,9 @@ class _NullObserver:
         pass
 
     def planner_failed(self) -> None:
+        pass
+
+    def send_timed_out(self) -> None:
         pass
 
 
@@ -151,12 +157,17 @@ class Admission:
     _sent: asyncio.Event | None = field(default=None, repr=False)
 
     async def in_turn(self, timeout_s: float = SEND_TURN_S) -> None:
-        """Wait until the request released before this one (in the window's order) has been sent to its engine, at
-        most ``timeout_s``: the engines then queue the window in the planned order, where requests released at once
-        and prepared and connected side by side would reach them in whatever order their connections opened."""
+        """Wait until the request released before this one (in the window's order; in its lane's, when the window
+        was split) has been sent to its engine, at most ``timeout_s``: the engines then queue the window in the
+        planned order, where requests released at once and prepared and connected side by side would reach them in
+        whatever order their connections opened. A split window's lanes go to different replicas, so each lane
+        keeps its own order and none waits for another's sends."""
         if self._after is not None and not self._after.is_set():
-            with contextlib.suppress(asyncio.TimeoutError):
+            try:
                 await asyncio.wait_for(self._after.wait(), timeout_s)
+            except asyncio.TimeoutError:
+                if self._queue is not None:
+                    self._queue._observer.send_timed_out()
 
     def sent(self) -> None:
         """The request reached its engine (or will not): the next one of its release may go. Idempotent."""
@@ -294,15 +305,17 @@ class HoldQueue:
         order, planned, lanes = self._order(window)
         now = asyncio.get_running_loop().time()
         waits = []
-        previous: asyncio.Event | None = None
+        last_sent: dict[tuple[int, int] | None, asyncio.Event] = {}  # per lane (None: the requests not split)
         for position, index in enumerate(order):
             entry = window[index]
             waits.append(now - entry.arrived)
             self._admitted += 1
             sent = asyncio.Event()
             lane, lane_map = lanes.get(index, (None, None))
+            chain = None if lane_map is None or lane is None else (id(lane_map), lane)
+            previous = last_sent.get(chain)
             entry.future.set_result(Admission(reason, waits[-1], position, lane, lane_map, self, previous, sent))
-            previous = sent
+            last_sent[chain] = sent
         self._observer.released(reason, "planner" if planned else "fcfs", waits)
 
     def _order(self, window: list[_Held]) -> tuple[list[int], bool, dict[int, tuple[int, LaneMap]]]:

@@ -112,6 +112,10 @@ class ProxyMetrics:
                                      registry=registry)
         self.hold_cancelled = counter("cpmemory_hold_cancelled", "Held requests whose client went away",
                                       registry=registry)
+        self.hold_send_timeouts = counter(
+            "cpmemory_hold_send_timeouts", "Released requests sent without waiting any longer for the one before them "
+            "in their window (it took more than the send turn's limit): the engine may queue them out of the planned "
+            "order", registry=registry)
 
     # -- FitObserver (cpmemory.server.fit) ------------------------------------------------------------------
     def fit_admitted(self, reason: str, waited_s: float) -> None:
@@ -141,6 +145,10 @@ class ProxyMetrics:
         for wait in waits_s:
             self.hold_seconds.observe(wait)
         self.hold_waiting.set(0)
+
+    def send_timed_out(self) -> None:
+        """A released request stopped waiting for the one before it to be sent."""
+        self.hold_send_timeouts.inc()
 
     def cancelled(self, waiting: int) -> None:
         """A held request's client went away."""

@@ -25,6 +25,7 @@ class Recorder:
         self.cancels = 0
         self.failures = 0
         self.held_now: list[int] = []
+        self.send_timeouts = 0
 
     def held(self, waiting: int) -> None:
         self.held_now.append(waiting)
@@ -37,6 +38,9 @@ class Recorder:
 
     def planner_failed(self) -> None:
         self.failures += 1
+
+    def send_timed_out(self) -> None:
+        self.send_timeouts += 1
 
 
 async def start_waiters(queue: HoldQueue, requests, tenant: str = "t"):
@@ -290,3 +294,43 @@ async def test_a_plan_whose_lanes_do_not_match_the_window_is_not_followed():
     await asyncio.gather(*tasks)
     assert [name for name, _ in admitted] == ["a", "b"] and {a.lane for _, a in admitted} == {None}
     assert recorder.failures == 1
+
+
+async def test_a_request_whose_predecessor_is_not_sent_in_time_goes_on_and_is_counted():
+    recorder = Recorder()
+    queue = HoldQueue(1, LONG, planner=reverse_planner([]), observer=recorder)
+    running = queue.try_admit()
+    tasks, admitted = await start_waiters(queue, [("a", blocks(1)), ("b", blocks(2))])
+    running.done()
+    await asyncio.gather(*tasks)
+    first, second = (admission for _, admission in admitted)
+    await first.in_turn(0.01)  # the first of its release never waits
+    assert recorder.send_timeouts == 0
+    await second.in_turn(0.01)  # the first was never sent: it goes on after the limit
+    assert recorder.send_timeouts == 1
+    first.sent()
+    await second.in_turn(0.01)
+    assert recorder.send_timeouts == 1
+
+
+async def test_a_split_window_keeps_each_lane_in_order_without_waiting_for_the_other_lanes():
+    from cpmemory.core.scheduling import ReleasePlan
+
+    recorder = Recorder()
+    plan = ReleasePlan((0, 1, 2, 3), (0, 1, 0, 1))
+    queue = HoldQueue(1, LONG, planner=lambda requests, tenant: plan, observer=recorder)
+    running = queue.try_admit()
+    tasks, admitted = await start_waiters(queue, [(name, blocks(i)) for i, name in enumerate("abcd")])
+    running.done()
+    await asyncio.gather(*tasks)
+    a, b, c, d = (admission for _, admission in admitted)
+    await asyncio.wait_for(b.in_turn(5), 1)  # lane 1's first waits for nobody, though lane 0's first is not sent
+    waiting = asyncio.ensure_future(c.in_turn(5))
+    await asyncio.sleep(0.01)
+    assert not waiting.done()  # lane 0's second waits for lane 0's first
+    b.sent()
+    await asyncio.wait_for(d.in_turn(5), 1)  # lane 1's second follows lane 1's first
+    assert not waiting.done()
+    a.sent()
+    await asyncio.wait_for(waiting, 1)
+    assert recorder.send_timeouts == 0
