@@ -84,3 +84,32 @@ def test_only_a_history_without_user_or_assistant_turns_opens_a_conversation():
                                                                                          "content": "s"}])
     assert not opens_conversation([{"role": "user", "content": "u"}, {"role": "assistant", "content": "a"}])
     assert not opens_conversation([{"role": "system", "content": "s"}, {"role": "user", "content": "u"}])
+
+
+def test_release_plan_splits_a_window_that_outgrows_the_caches_one_cluster_a_lane():
+    mem = CpMemory()
+    waiting = [blocks(1, 2, 3, 4 + number // 2 % 2) if number % 2 == 0 else blocks(6, 7, 8, 9 * (number // 2 % 2))
+               for number in range(12)]
+    fits = mem.release_plan(waiting, cache_tokens=10_000, lanes=2)
+    assert list(fits.order) == list(range(12)) and set(fits.lanes) == {None}  # it fits: as it came, not split
+    plan = mem.release_plan(waiting, cache_tokens=20, lanes=2)
+    assert sorted(plan.order) == list(range(12))
+    assert {plan.lanes[position] for position in range(0, 12, 2)} != {plan.lanes[position] for position in range(1, 12, 2)}
+    assert all(len({plan.lanes[position] for position in range(cluster, 12, 2)}) == 1 for cluster in (0, 1))
+    assert [plan.lanes[position] for position in plan.order] in ([0, 1] * 6, [1, 0] * 6)  # dealt one a lane in turn
+    turns = [mem.prepare(f"c{position}", "q", waiting[position]) for position in plan.order]
+    for position, turn in zip(plan.order, turns):
+        assert check_no_loss(waiting[position], turn.messages).ok
+        mem.commit(turn, "a")
+    one = mem.release_plan(waiting, cache_tokens=20, lanes=1)
+    assert set(one.lanes) == {0} and sorted(one.order) == list(range(12))
+    mem.check_index()
+
+
+@pytest.mark.parametrize("lanes", [0, -1, True, 1.5, "2"])
+def test_release_plan_rejects_bad_lanes_and_records_nothing(lanes):
+    mem = CpMemory()
+    before = mem.index_size()
+    with pytest.raises(InvalidInputError):
+        mem.release_plan([blocks(1, 2)], cache_tokens=20, lanes=lanes)
+    assert mem.index_size() == before
