@@ -30,9 +30,10 @@ client went away) is removed, and one cancelled just after its release gives its
 The engine queues a window in the order its requests *reach* it. Released at once, they are prepared and open their
 connections side by side, and reach the engine in whatever order that took (measured on two vLLM replicas: a window
 of 60 planned LoCoMo questions cached 36% of its prompt tokens, where the same plan in a simulator of the engine's
-cache caches 54%). So each released request waits (``Admission.in_turn``, at most ``SEND_TURN_S``) until the one
-before it in the window was sent (``Admission.sent``: the engine accepted the call), and the engine queues the
-window in the planned order.
+cache caches 54%). So each released request waits (``Admission.in_turn``) until the one before it in the window
+was sent (``Admission.sent``: the engine accepted the call), at most ``SEND_TURN_S`` from the moment that one's own
+turn came, and the engine queues the window in the planned order. (Counted from its own release instead, the limit
+let every request after the first second of sends go at once: 13-41 of a 62-request window, measured.)
 
 A window that outgrows the replicas' caches is also *split* when the planner returns a
 :class:`~cpmemory.core.scheduling.ReleasePlan` with lanes (``CpMemory.release_plan``): one contiguous run of the
@@ -60,7 +61,11 @@ from cpmemory.core.scheduling import ReleasePlan
 logger = logging.getLogger(__name__)
 
 SEND_TURN_S = 1.0
-"""The longest a released request waits for the one before it to be sent (a slow preparation, a cache-fit wait)."""
+"""The longest a released request waits for the one before it to be sent once that one's turn came (a slow
+preparation, a cache-fit wait)."""
+CHAIN_WAIT_S = 30.0
+"""The longest a released request waits for the one before it to reach its turn (a safety net: that one waits for
+the one before it, each at most ``SEND_TURN_S`` once its turn came)."""
 
 AdmissionReason = Literal["immediate", "slot", "timeout"]
 ReleaseOrder = Literal["planner", "fcfs"]
@@ -155,6 +160,8 @@ class Admission:
     _queue: HoldQueue | None = field(default=None, repr=False)
     _after: asyncio.Event | None = field(default=None, repr=False)  # the previous request of its release was sent
     _sent: asyncio.Event | None = field(default=None, repr=False)
+    _after_turn: asyncio.Event | None = field(default=None, repr=False)  # the previous one's turn came
+    _turn: asyncio.Event | None = field(default=None, repr=False)
 
     async def in_turn(self, timeout_s: float = SEND_TURN_S) -> None:
         """Wait until the request released before this one (in the window's order; in its lane's, when the window
@@ -162,15 +169,26 @@ class Admission:
         planned order, where requests released at once and prepared and connected side by side would reach them in
         whatever order their connections opened. A split window's lanes go to different replicas, so each lane
         keeps its own order and none waits for another's sends."""
-        if self._after is not None and not self._after.is_set():
-            try:
+        if self._turn is not None and self._turn.is_set():
+            return  # its turn already came (idempotent)
+        try:
+            if self._after_turn is not None and not self._after_turn.is_set():
+                # the one before waits for its own turn first: the limit counts from its turn, not from this one's
+                # release, or a window's order would hold only for its first second of sends
+                await asyncio.wait_for(self._after_turn.wait(), CHAIN_WAIT_S)
+            if self._after is not None and not self._after.is_set():
                 await asyncio.wait_for(self._after.wait(), timeout_s)
-            except asyncio.TimeoutError:
-                if self._queue is not None:
-                    self._queue._observer.send_timed_out()
+        except asyncio.TimeoutError:
+            if self._queue is not None:
+                self._queue._observer.send_timed_out()
+        finally:
+            if self._turn is not None:
+                self._turn.set()
 
     def sent(self) -> None:
         """The request reached its engine (or will not): the next one of its release may go. Idempotent."""
+        if self._turn is not None:
+            self._turn.set()
         if self._sent is not None:
             self._sent.set()
 
@@ -305,17 +323,19 @@ class HoldQueue:
         order, planned, lanes = self._order(window)
         now = asyncio.get_running_loop().time()
         waits = []
-        last_sent: dict[tuple[int, int] | None, asyncio.Event] = {}  # per lane (None: the requests not split)
+        # per lane (None: the requests not split), the last one's (turn, sent) events
+        last: dict[tuple[int, int] | None, tuple[asyncio.Event, asyncio.Event]] = {}
         for position, index in enumerate(order):
             entry = window[index]
             waits.append(now - entry.arrived)
             self._admitted += 1
-            sent = asyncio.Event()
+            turn, sent = asyncio.Event(), asyncio.Event()
             lane, lane_map = lanes.get(index, (None, None))
             chain = None if lane_map is None or lane is None else (id(lane_map), lane)
-            previous = last_sent.get(chain)
-            entry.future.set_result(Admission(reason, waits[-1], position, lane, lane_map, self, previous, sent))
-            last_sent[chain] = sent
+            previous_turn, previous = last.get(chain, (None, None))
+            entry.future.set_result(Admission(reason, waits[-1], position, lane, lane_map, self, previous, sent,
+                                              previous_turn, turn))
+            last[chain] = (turn, sent)
         self._observer.released(reason, "planner" if planned else "fcfs", waits)
 
     def _order(self, window: list[_Held]) -> tuple[list[int], bool, dict[int, tuple[int, LaneMap]]]:

@@ -334,3 +334,22 @@ async def test_a_split_window_keeps_each_lane_in_order_without_waiting_for_the_o
     a.sent()
     await asyncio.wait_for(waiting, 1)
     assert recorder.send_timeouts == 0
+
+
+async def test_the_send_limit_counts_from_the_turn_of_the_one_before_so_a_long_window_keeps_its_order():
+    recorder = Recorder()
+    queue = HoldQueue(1, LONG, planner=lambda requests, tenant: list(range(len(requests))), observer=recorder)
+    running = queue.try_admit()
+    tasks, admitted = await start_waiters(queue, [(str(i), blocks(i)) for i in range(6)])
+    running.done()
+    await asyncio.gather(*tasks)
+    sent_order: list[int] = []
+
+    async def send(index, admission):
+        await admission.in_turn(0.2)  # each link waits at most 0.2 s once the one before got its turn
+        await asyncio.sleep(0.08)  # a send takes 0.08 s: the window takes 0.48 s, more than the limit
+        sent_order.append(index)
+        admission.sent()
+
+    await asyncio.gather(*(send(index, admission) for index, (_, admission) in enumerate(admitted)))
+    assert sent_order == list(range(6)) and recorder.send_timeouts == 0
