@@ -269,6 +269,7 @@ cpmemory_hold_held_total 6.0
 cpmemory_hold_seconds_sum 2.0
 cpmemory_hold_releases_total{reason="slot",order="planner"} 2.0
 cpmemory_hold_releases_total{reason="timeout",order="fcfs"} 1.0
+cpmemory_hold_send_timeouts_total 3.0
 """
     after = totals(text, PROXY_SAMPLES)
     summary = proxy_summary(delta({}, after))
@@ -277,7 +278,8 @@ cpmemory_hold_releases_total{reason="timeout",order="fcfs"} 1.0
                        "fit_wait_mean_ms": 500.0, "fit_wait_per_request_ms": 150.0,
                        "gateway_attributions": {"0": 4, "unknown": 2},
                        "fit_idle_window_ms": 312.5, "local_tokenizer": True,
-                       "hold_held": 6, "hold_wait_per_request_ms": 200.0, "hold_windows": {"planner": 2, "fcfs": 1}}
+                       "hold_held": 6, "hold_wait_per_request_ms": 200.0, "hold_windows": {"planner": 2, "fcfs": 1},
+                       "hold_send_timeouts": 3}
     # states, not counters: found before the run (the same before and after) is still found
     assert proxy_summary(delta(after, after))["local_tokenizer"] is True
     assert proxy_summary(delta(after, after))["fit_idle_window_ms"] == 312.5
