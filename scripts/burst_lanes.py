@@ -18,19 +18,11 @@ import json
 from pathlib import Path
 
 from cpmemory.bench.loaders import load_workload
+from cpmemory.core.planner_tree import common_prefix
 from cpmemory.facade import CpMemory
 
 TEMPLATE_CHARS = 600
 """Characters of a prompt besides its blocks (system prompt, question, annotations), for the predicted share."""
-
-
-def _common(first: list[str], second: list[str]) -> int:
-    count = 0
-    for left, right in zip(first, second):
-        if left != right:
-            break
-        count += 1
-    return count
 
 
 def main() -> None:
@@ -72,7 +64,7 @@ def main() -> None:
     for lane, sessions in lanes.items():
         predicted, reported = [], []
         for index, session in enumerate(sessions):
-            shared = max((_common(orders[earlier], orders[session]) for earlier in sessions[:index]), default=0)
+            shared = max((common_prefix(orders[earlier], orders[session]) for earlier in sessions[:index]), default=0)
             total = sum(size[key] for key in orders[session]) + TEMPLATE_CHARS
             predicted.append(sum(size[key] for key in orders[session][:shared]) / total)
             reported.append(actual[session]["cached_share"])

@@ -27,6 +27,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from cpmemory.core.planner_tree import common_prefix
+
 __all__ = ["ReleasePlan", "interleave", "request_work", "schedule", "split_lanes"]
 
 
@@ -65,15 +67,6 @@ def schedule(search_paths: Sequence[Sequence[int]]) -> list[int]:
     return order
 
 
-def _shared(first: Sequence[Hashable], second: Sequence[Hashable]) -> int:
-    count = 0
-    for left, right in zip(first, second):
-        if left != right:
-            break
-        count += 1
-    return count
-
-
 def request_work(orders: Sequence[Sequence[Hashable]], sizes: Mapping[Hashable, float], tail: float = 0.0
                  ) -> tuple[list[float], list[float]]:
     """Per request of ``orders`` (in run order): (its whole work, its work after the one before it): ``tail`` plus
@@ -82,7 +75,7 @@ def request_work(orders: Sequence[Sequence[Hashable]], sizes: Mapping[Hashable, 
     whole, after = [], []
     for position, order in enumerate(orders):
         own = [float(sizes.get(key, 0.0)) for key in order]
-        shared = _shared(orders[position - 1], order) if position else 0
+        shared = common_prefix(orders[position - 1], order) if position else 0
         whole.append(tail + sum(own))
         after.append(tail + sum(own[shared:]))
     return whole, after

@@ -247,27 +247,32 @@ class ProxyService:
             return RouteHint(blocks, sticky, remember)
         return RouteHint(text_blocks(payload.get("messages") or []), sticky, remember)
 
+    def _lane_replica(self, admission: Admission | None, sticky: bool) -> tuple[int | None, bool]:
+        """(the healthy replica the call's split-window lane runs on, or None; whether the call belongs to a lane the
+        proxy places at all: split, not sticky, not behind a gateway)."""
+        if admission is None or admission.lane is None or admission.lanes is None or self.upstream or sticky:
+            return None, False
+        router = self.dispatcher.router
+        replica = admission.lanes.replica(admission.lane)
+        return (replica if replica is not None and router.is_healthy(router.urls[replica]) else None), True
+
     def lane_placed(self, admission: Admission | None, sticky: bool) -> bool:
         """Whether the call's split-window lane already runs on a healthy replica (:meth:`lane_hint` will send it
         there without asking the router)."""
-        if admission is None or admission.lane is None or admission.lanes is None or self.upstream or sticky:
-            return False
-        replica = admission.lanes.replica(admission.lane)
-        router = self.dispatcher.router
-        return replica is not None and router.is_healthy(router.urls[replica])
+        return self._lane_replica(admission, sticky)[0] is not None
 
     def lane_hint(self, admission: Admission | None, key: str, hint: RouteHint) -> RouteHint:
         """The hint of a call whose held window was split over the replicas (``Admission.lane``): its lane's
         replica; the lane's first call claims the router's choice among the replicas no other lane of its release
         holds (any healthy one when all are held). A sticky call (its history is where it is), a call behind a
         gateway, or one not split: the hint unchanged."""
-        if admission is None or admission.lane is None or admission.lanes is None or self.upstream or hint.sticky:
+        replica, placed = self._lane_replica(admission, hint.sticky)
+        if not placed:
             return hint
-        router = self.dispatcher.router
-        lanes, lane = admission.lanes, admission.lane
-        replica = lanes.replica(lane)
-        if replica is None or not router.is_healthy(router.urls[replica]):
-            taken = [router.urls[index] for index in lanes.taken(lane)]
+        assert admission is not None and admission.lanes is not None and admission.lane is not None
+        if replica is None:
+            router = self.dispatcher.router
+            taken = [router.urls[index] for index in admission.lanes.taken(admission.lane)]
             try:
                 try:
                     replica = router.choose(key, exclude=taken, prompt=hint.prompt).index
@@ -275,7 +280,7 @@ class ProxyService:
                     replica = router.choose(key, prompt=hint.prompt).index
             except NoHealthyReplicaError:
                 return hint  # the dispatcher reports it
-            lanes.claim(lane, replica)
+            admission.lanes.claim(admission.lane, replica)
         return replace(hint, replica=replica, placed_by="lane")
 
     def cache_salt(self, tenant: str) -> str | None:

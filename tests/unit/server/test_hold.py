@@ -7,6 +7,7 @@ import asyncio
 import pytest
 
 from cpmemory.core.blocks import Block
+from cpmemory.core.scheduling import ReleasePlan
 from cpmemory.facade import AsyncCpMemory
 from cpmemory.server.hold import HoldQueue
 
@@ -262,16 +263,21 @@ async def test_a_released_window_is_sent_in_its_planned_order():
     await asyncio.wait_for(third.in_turn(timeout_s=0.05), timeout=1)  # second never says sent: the wait is bounded
 
 
-async def test_a_split_plan_gives_each_released_request_its_lane_and_one_lane_map_per_release():
-    from cpmemory.core.scheduling import ReleasePlan
-
-    recorder = Recorder()
-    plan = ReleasePlan((2, 0, 3, 1), (0, 1, 0, 1))
-    queue = HoldQueue(1, LONG, planner=lambda requests, tenant: plan, observer=recorder)
+async def release_window(planner, names: str, recorder: Recorder):
+    """A queue of one slot with ``planner``: the slot taken, one waiter per name, the slot freed; returns the
+    (name, admission) pairs in release order."""
+    queue = HoldQueue(1, LONG, planner=planner, observer=recorder)
     running = queue.try_admit()
-    tasks, admitted = await start_waiters(queue, [(name, blocks(i)) for i, name in enumerate("abcd")])
+    tasks, admitted = await start_waiters(queue, [(name, blocks(i)) for i, name in enumerate(names)])
     running.done()
     await asyncio.gather(*tasks)
+    return admitted
+
+
+async def test_a_split_plan_gives_each_released_request_its_lane_and_one_lane_map_per_release():
+    recorder = Recorder()
+    plan = ReleasePlan((2, 0, 3, 1), (0, 1, 0, 1))
+    admitted = await release_window(lambda requests, tenant: plan, "abcd", recorder)
     assert [name for name, _ in admitted] == ["c", "a", "d", "b"]
     assert {name: admission.lane for name, admission in admitted} == {"a": 0, "b": 1, "c": 0, "d": 1}
     maps = {id(admission.lanes) for _, admission in admitted}
@@ -284,25 +290,15 @@ async def test_a_split_plan_gives_each_released_request_its_lane_and_one_lane_ma
 
 
 async def test_a_plan_whose_lanes_do_not_match_the_window_is_not_followed():
-    from cpmemory.core.scheduling import ReleasePlan
-
     recorder = Recorder()
-    queue = HoldQueue(1, LONG, planner=lambda requests, tenant: ReleasePlan((1, 0), (0,)), observer=recorder)
-    running = queue.try_admit()
-    tasks, admitted = await start_waiters(queue, [("a", blocks(1)), ("b", blocks(2))])
-    running.done()
-    await asyncio.gather(*tasks)
+    admitted = await release_window(lambda requests, tenant: ReleasePlan((1, 0), (0,)), "ab", recorder)
     assert [name for name, _ in admitted] == ["a", "b"] and {a.lane for _, a in admitted} == {None}
     assert recorder.failures == 1
 
 
 async def test_a_request_whose_predecessor_is_not_sent_in_time_goes_on_and_is_counted():
     recorder = Recorder()
-    queue = HoldQueue(1, LONG, planner=reverse_planner([]), observer=recorder)
-    running = queue.try_admit()
-    tasks, admitted = await start_waiters(queue, [("a", blocks(1)), ("b", blocks(2))])
-    running.done()
-    await asyncio.gather(*tasks)
+    admitted = await release_window(reverse_planner([]), "ab", recorder)
     first, second = (admission for _, admission in admitted)
     await first.in_turn(0.01)  # the first of its release never waits
     assert recorder.send_timeouts == 0
@@ -314,15 +310,9 @@ async def test_a_request_whose_predecessor_is_not_sent_in_time_goes_on_and_is_co
 
 
 async def test_a_split_window_keeps_each_lane_in_order_without_waiting_for_the_other_lanes():
-    from cpmemory.core.scheduling import ReleasePlan
-
     recorder = Recorder()
     plan = ReleasePlan((0, 1, 2, 3), (0, 1, 0, 1))
-    queue = HoldQueue(1, LONG, planner=lambda requests, tenant: plan, observer=recorder)
-    running = queue.try_admit()
-    tasks, admitted = await start_waiters(queue, [(name, blocks(i)) for i, name in enumerate("abcd")])
-    running.done()
-    await asyncio.gather(*tasks)
+    admitted = await release_window(lambda requests, tenant: plan, "abcd", recorder)
     a, b, c, d = (admission for _, admission in admitted)
     await asyncio.wait_for(b.in_turn(5), 1)  # lane 1's first waits for nobody, though lane 0's first is not sent
     waiting = asyncio.ensure_future(c.in_turn(5))
@@ -338,11 +328,7 @@ async def test_a_split_window_keeps_each_lane_in_order_without_waiting_for_the_o
 
 async def test_the_send_limit_counts_from_the_turn_of_the_one_before_so_a_long_window_keeps_its_order():
     recorder = Recorder()
-    queue = HoldQueue(1, LONG, planner=lambda requests, tenant: list(range(len(requests))), observer=recorder)
-    running = queue.try_admit()
-    tasks, admitted = await start_waiters(queue, [(str(i), blocks(i)) for i in range(6)])
-    running.done()
-    await asyncio.gather(*tasks)
+    admitted = await release_window(lambda requests, tenant: list(range(len(requests))), "abcdef", recorder)
     sent_order: list[int] = []
 
     async def send(index, admission):
