@@ -240,7 +240,7 @@ class OnlineOrderer:
         ordinals = [self.observe(keys) for keys in contexts]
         for keys, sized in zip(contexts, sizes):
             self._sizes.update(zip(keys, sized))
-        if capacity is not None and sum(sum(sized) for sized in sizes) > capacity:
+        if capacity is not None and window_outgrows(sizes, capacity):
             batch = _batch_plan(contexts, sizes)
             online = self._online_plan(contexts, sizes, ordinals)
             tail = self._tail or 0.0
@@ -456,6 +456,12 @@ class OnlineOrderer:
                 raise IndexIntegrityError(f"online trie node {node.key!r}: count {node.count}, "
                                           f"{expected.get(id(node), 0)} recorded requests through it")
             stack.extend(node.children.values())
+
+
+def window_outgrows(sizes: Sequence[Sequence[float]], capacity: float | None) -> bool:
+    """Whether a window's block sizes sum past ``capacity`` (None: unknown, never). The rule that switches
+    :meth:`OnlineOrderer.plan_window` to its batch candidate and the proxy's hold to its split. Pure."""
+    return capacity is not None and sum(sum(sized) for sized in sizes) > capacity
 
 
 def _batch_plan(

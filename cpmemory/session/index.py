@@ -15,7 +15,7 @@ from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
 
 from cpmemory.core.index import ContextIndex
-from cpmemory.core.online import OnlineOrderer
+from cpmemory.core.online import OnlineOrderer, window_outgrows
 from cpmemory.core.scheduling import ReleasePlan, interleave, split_lanes
 from cpmemory.types import SharedOrder
 
@@ -101,7 +101,7 @@ class TenantIndexes:
         :meth:`release_order`."""
         schedule, orders = self._plan_window(tenant, contexts, sizes, capacity)
         count = len(contexts)
-        if capacity is None or sum(sum(sized) for sized in sizes) <= capacity:
+        if not window_outgrows(sizes, capacity):
             return ReleasePlan(tuple(schedule), (None,) * count)
         filled = [position for position in schedule if contexts[position]]
         weights = {key: size for keys, sized in zip(contexts, sizes) for key, size in zip(keys, sized)}
