@@ -51,13 +51,15 @@ DEFAULT_CALIBRATE_REQUESTS = 48
 
 @contextlib.asynccontextmanager
 async def in_process_proxy(settings: ServeSettings, cache_tokens: int | None = None, fit: bool = True,
-                           fit_move: bool = True, hold_split: bool = True) -> AsyncIterator[tuple[str, Any]]:
+                           fit_move: bool = True, hold_split: bool = True,
+                           hold: bool = True) -> AsyncIterator[tuple[str, Any]]:
     """Serve a ``cpmemory serve`` app on a free loopback port in this event loop; yields (URL, recording transport).
 
     The proxy gets the engines (and ``upstream``, ``kv_events``) of ``settings``; without KV events its router's view
     of what each replica caches assumes ``cache_tokens`` per replica (the engines' own KV cache size when known);
     ``fit``: cache-fit admission on (the proxy's default) or off; ``fit_move``: its moves of a conversation that no
-    longer fits its replica (on by default); ``hold_split``: the hold queue's split of a window over the replicas.
+    longer fits its replica (on by default); ``hold_split``: the hold queue's split of a window over the replicas;
+    ``hold``: False leaves the hold queue off whatever ``settings.max_in_flight`` says.
     """
     import uvicorn
 
@@ -69,8 +71,8 @@ async def in_process_proxy(settings: ServeSettings, cache_tokens: int | None = N
     config = ServerConfig(engines=list(settings.engines), upstream=settings.upstream,
                           kv_events=list(settings.kv_events), engine_timeout_s=settings.engine_timeout_s, fit=fit,
                           fit_move=fit_move, **({"fit_fill": settings.fit_fill} if settings.fit_fill else {}),
-                          **({"max_in_flight": settings.max_in_flight} if settings.max_in_flight else {}),
-                          **({"hold_ms": settings.hold_ms} if settings.hold_ms is not None else {}),
+                          **({"max_in_flight": settings.max_in_flight} if settings.max_in_flight and hold else {}),
+                          **({"hold_ms": settings.hold_ms} if settings.hold_ms is not None and hold else {}),
                           hold_split=hold_split,
                           tokenizer=settings.tokenizer, cache_salt=settings.cache_salt,
                           engine_priority=settings.engine_priority,
@@ -121,8 +123,8 @@ async def strategy_client(name: str, settings: ServeSettings, system_prompt: str
             await client.aclose()
         return
     async with in_process_proxy(settings, cache_tokens, fit=name != "cpmemory-nofit",
-                                fit_move=name != "cpmemory-nomove", hold_split=name != "cpmemory-nosplit"
-                                ) as (url, recording):
+                                fit_move=name != "cpmemory-nomove", hold_split=name != "cpmemory-nosplit",
+                                hold=name != "cpmemory-nohold") as (url, recording):
         client = ProxyClient(url, model=settings.model, max_tokens=settings.max_tokens,
                              timeout_s=settings.timeout_s, recording=recording)
         try:
@@ -405,7 +407,7 @@ def command(
     max_tokens: int = typer.Option(8, "--max-tokens", min=1, help="Tokens generated per request."),
     timeout: float = typer.Option(300.0, "--timeout", min=0.1, help="Deadline of one request (s)."),
     engine_timeout: float = typer.Option(120.0, "--engine-timeout", min=0.1, help="Per-call engine timeout (s)."),
-    strategies: str = typer.Option(",".join(STRATEGIES), "--strategies", help="Comma-separated, in run order (original, cpmemory, cpmemory-nofit: the proxy without cache-fit admission, cpmemory-nomove: without its moves; cpmemory-nosplit: the hold queue without its split over replicas; original-priority: original with vLLM priorities by new prompt length)."),
+    strategies: str = typer.Option(",".join(STRATEGIES), "--strategies", help="Comma-separated, in run order (original, cpmemory, cpmemory-nofit: the proxy without cache-fit admission, cpmemory-nomove: without its moves; cpmemory-nosplit: the hold queue without its split over replicas; cpmemory-nohold: the proxy without the hold queue of --max-in-flight; original-priority: original with vLLM priorities by new prompt length)."),
     model: str = typer.Option("tiny", "--model", help="Served model name."),
     multi_turn: bool | None = typer.Option(None, "--multi-turn/--independent", help="Override the trace's flag."),
     seed: int = typer.Option(0, "--seed", help="Seed of the Poisson arrivals."),

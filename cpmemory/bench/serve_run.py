@@ -31,10 +31,12 @@ from cpmemory.bench.trace import Trace, TraceRequest
 from cpmemory.errors import InvalidInputError
 
 STRATEGIES = ("original", "cpmemory")
-KNOWN_STRATEGIES = (*STRATEGIES, "cpmemory-nofit", "cpmemory-nomove", "cpmemory-nosplit", "original-priority")
+KNOWN_STRATEGIES = (*STRATEGIES, "cpmemory-nofit", "cpmemory-nomove", "cpmemory-nosplit", "cpmemory-nohold",
+                    "original-priority")
 """``cpmemory-nofit``: the in-process proxy with cache-fit admission off (cpmemory.server.fit); ``cpmemory-nomove``:
 admission on without its moves (``CacheFit`` ``move``); ``cpmemory-nosplit``: the hold queue without its split of a
-window over the replicas (``ServerConfig.hold_split``); ``original-priority``: ``original`` whose requests carry
+window over the replicas (``ServerConfig.hold_split``); ``cpmemory-nohold``: the proxy without the hold queue that
+``--max-in-flight`` turns on for the others (nothing held); ``original-priority``: ``original`` whose requests carry
 vLLM's ``priority`` by the same rule as the proxy's ``--engine-priority`` without a view of the caches (the tokens
 after the conversation's last answer: shortest new prompt first); all for ablations."""
 FIGURES = ("ttft_mean_ms", "ttft_p50_ms", "ttft_p90_ms", "latency_mean_ms", "throughput_rps", "prompt_tokens_per_s",
@@ -383,7 +385,7 @@ def validate(settings: ServeSettings) -> None:
     unknown = set(settings.strategies) - set(KNOWN_STRATEGIES)
     if unknown or not settings.strategies:
         raise InvalidInputError(f"unknown strategies {sorted(unknown)}; choose from {', '.join(KNOWN_STRATEGIES)}")
-    for own in ("cpmemory-nofit", "cpmemory-nomove", "cpmemory-nosplit"):
+    for own in ("cpmemory-nofit", "cpmemory-nomove", "cpmemory-nosplit", "cpmemory-nohold"):
         if settings.proxy is not None and own in settings.strategies:
             raise InvalidInputError(f"{own} starts its own proxy: it cannot run with --proxy")
     if settings.proxy is not None and settings.engine_priority:

@@ -106,7 +106,8 @@ def command(
         "replica in flight, arriving requests are held (at most --hold-ms) and released together in the window "
         "planner's order. Default: off, nothing is held."),
     hold_ms: float = typer.Option(_FIELDS["hold_ms"].default, "--hold-ms",
-                                  help="The longest a request is held, in milliseconds (with --max-in-flight)."),
+                                  help="The longest a request is held, in milliseconds, at most 60000 (with --max-in-flight). "
+                                  "Seconds pay only where arrivals outrun the replicas for a while."),
     hold_split: bool = typer.Option(
         _FIELDS["hold_split"].default, "--hold-split/--no-hold-split",
         help="Split a held window that outgrows the replicas' caches over them: one run of the planned order per "

@@ -61,7 +61,9 @@ class ServerConfig(BaseModel):
         max_in_flight: requests one replica can run at once (vLLM's ``--max-num-seqs``); while the proxy has that
             many per healthy replica in flight, arriving requests are held and released together in the window
             planner's order (cpmemory.server.hold). None (the default): nothing is held.
-        hold_ms: the longest a request is held (milliseconds).
+        hold_ms: the longest a request is held (milliseconds, at most one minute). Short (the default) gathers the
+            requests that arrive together; long (seconds) turns the queue of a fleet under sustained overload into
+            planned windows, and holds requests a replica could have run when it is not overloaded.
         hold_split: a held window that outgrows the replicas' caches is split over them (one contiguous run of the
             planned order per replica, even in prefill work, each run in shortest-mean-work order; cpmemory.server.hold);
             off: the router places each released request.
@@ -107,7 +109,7 @@ class ServerConfig(BaseModel):
     prompt_budget: bool = True
     answer_reserve_tokens: int = Field(default=1024, ge=1)
     max_in_flight: int | None = Field(default=None, ge=1, description="per replica; None: the hold queue is off")
-    hold_ms: float = Field(default=5.0, gt=0, le=1000, description="the longest a request is held")
+    hold_ms: float = Field(default=5.0, gt=0, le=60_000, description="the longest a request is held")
     hold_split: bool = Field(default=True, description="split a held window that outgrows the caches over replicas")
     fit: bool = True
     fit_fill: float = Field(default=0.9, gt=0, le=1)

@@ -79,11 +79,11 @@ def test_rate_and_load_together_are_an_error(processes):
 
 def test_the_in_process_proxy_holds_and_plans_when_asked(processes):
     """``--max-in-flight N --hold-ms MS`` reach the in-process proxy: with more clients than slots requests are held
-    and released in windows, and nothing is lost."""
+    and released in windows, and nothing is lost; ``cpmemory-nohold`` in the same run holds nothing."""
     engines = [processes.engine().start(), processes.engine().start()]
     args = [sys.executable, "-m", "cpmemory.cli", "bench", "serve", "--workload", "synthetic", "--requests", "24",
-            "--concurrency", "12", "--max-in-flight", "1", "--hold-ms", "200", "--strategies", "cpmemory",
-            "--timeout", "30", "--engine-timeout", "10", "--json"]
+            "--concurrency", "12", "--max-in-flight", "1", "--hold-ms", "200", "--strategies",
+            "cpmemory,cpmemory-nohold", "--timeout", "30", "--engine-timeout", "10", "--json"]
     for engine in engines:
         args += ["--engine", engine.url]
     done = subprocess.run(args, capture_output=True, text=True, timeout=240)
@@ -93,3 +93,5 @@ def test_the_in_process_proxy_holds_and_plans_when_asked(processes):
     assert figures["errors"] == 0 and figures["lost_blocks"] == 0
     assert report["settings"]["max_in_flight"] == 1 and report["settings"]["hold_ms"] == 200.0
     assert proxy["hold_held"] > 0 and sum(proxy["hold_windows"].values()) > 0, proxy
+    unheld = report["details"]["cpmemory-nohold"]["proxy"]
+    assert report["strategies"]["cpmemory-nohold"]["errors"] == 0 and not unheld.get("hold_held"), unheld

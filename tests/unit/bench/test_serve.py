@@ -367,7 +367,7 @@ async def test_original_priority_sends_the_new_prompt_length_and_the_original_no
     assert second["priority"] == len(second["messages"][-1]["content"]) // 4  # only what follows the answer
 
 
-@pytest.mark.parametrize("strategy", ["cpmemory-nofit", "cpmemory-nomove"])
+@pytest.mark.parametrize("strategy", ["cpmemory-nofit", "cpmemory-nomove", "cpmemory-nosplit", "cpmemory-nohold"])
 def test_ablations_start_their_own_proxy_and_unknown_strategies_are_refused(strategy):
     from cpmemory.bench.serve_run import ServeSettings, validate
     from cpmemory.errors import InvalidInputError

@@ -283,6 +283,10 @@ async def test_off_by_default_nothing_waits():
         ServerConfig(engines=["http://engine-0"], max_in_flight=0)
     with pytest.raises(ValueError):
         ServerConfig(engines=["http://engine-0"], max_in_flight=4, hold_ms=0)
+    # seconds of hold, for a fleet under sustained overload, up to a minute
+    assert ServerConfig(engines=["http://engine-0"], max_in_flight=1, hold_ms=60_000).hold_ms == 60_000
+    with pytest.raises(ValueError):
+        ServerConfig(engines=["http://engine-0"], max_in_flight=1, hold_ms=60_001)
 
 
 def test_serve_flags_reach_the_queue(monkeypatch):
@@ -300,9 +304,13 @@ def test_serve_flags_reach_the_queue(monkeypatch):
     assert hold.max_in_flight == 8 and hold.hold_s == pytest.approx(0.003)
     assert runner.invoke(cli, ["serve", "--engine", "http://127.0.0.1:9"]).exit_code == 0
     assert served[1].state.service.hold is None
-    for bad in (["--max-in-flight", "0"], ["--max-in-flight", "2", "--hold-ms", "0"]):
+    assert runner.invoke(cli, ["serve", "--engine", "http://127.0.0.1:9", "--max-in-flight", "1",
+                               "--hold-ms", "30000"]).exit_code == 0
+    assert served[2].state.service.hold.hold_s == pytest.approx(30.0)
+    for bad in (["--max-in-flight", "0"], ["--max-in-flight", "2", "--hold-ms", "0"],
+                ["--max-in-flight", "2", "--hold-ms", "60001"]):
         result = runner.invoke(cli, ["serve", "--engine", "http://127.0.0.1:9", *bad])
-        assert result.exit_code == 2 and len(served) == 2
+        assert result.exit_code == 2 and len(served) == 3
 
 
 def _cluster_window():
