@@ -3,9 +3,9 @@
 
 In a closed loop of C clients the proxy never holds more than C questions: question ``j`` of the arrival order is
 sent only after ``j - C`` questions have finished, so at most C questions are there to choose from. This script
-bounds what any block order and any schedule can cache under that rule, in a cache that never evicts (one cache
-holding everything: an upper bound for any number of replicas and any routing), at block granularity (a prompt
-is the system prompt, then its blocks, then the question):
+bounds what block orders and schedules can cache under that rule, first in a cache that never evicts (one cache
+holding everything: an upper bound for any number of replicas and any routing), then in the replicas' caches, at
+block granularity (a prompt is the system prompt, then its blocks, then the question):
 
 * ``relaxation (upper bound)``: each question finds cached at most its largest block overlap, in tokens, with one
   question that may be served before it (any question less than C later in the arrival order: the closed loop's
@@ -17,6 +17,9 @@ is the system prompt, then its blocks, then the question):
 * ``offline plan (burst)``: the plan's orders and schedule, no closed loop (what a held burst can do);
 * the same orders with eviction: ``--replicas`` vLLM caches of each ``--caches`` size (LRU, 128-token pages), one
   question at a time, each to the replica with its longest cached prefix (ties: the one that computed fewer).
+  With eviction also ``online / planned orders, best of C (greedy)``: at each step, of the questions the closed loop
+  lets in (arrival index below the questions served + C), the one with the longest cached prefix on any replica: a
+  schedule a closed loop allows, not the best one.
 
 In a cache that never evicts the schedule changes nothing: a block at depth d of the trie of the orders sent is
 computed once, by the first question through it, and found cached by every later one, in any order. So the closed
