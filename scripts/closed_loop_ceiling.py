@@ -77,11 +77,13 @@ def cached_on_replicas(orders, schedule, size, system, question, capacity, repli
     for key in size:
         starts[key], offset = offset, offset + size[key]
 
-    def tokens(index):
+    def build(index):
         parts = [np.arange(system)]
         parts += [np.arange(starts[key], starts[key] + size[key]) for key in orders[index]]
         parts.append(np.arange(offset + 100_000 * index, offset + 100_000 * index + question[index]))
         return np.concatenate(parts)
+
+    prompts = [build(index) for index in range(len(orders))]  # built once: the greedy pick peeks each many times
 
     caches = [PrefixCacheSimulator(capacity, mode="vllm", page_size=128) for _ in range(replicas)]
     computed, total, served, waiting, pending = [0] * replicas, 0, 0, [], list(schedule)
@@ -89,11 +91,11 @@ def cached_on_replicas(orders, schedule, size, system, question, capacity, repli
         if choose:
             while pending and pending[0] < served + choose:
                 waiting.append(pending.pop(0))
-            index = max(waiting, key=lambda i: (max(cache.peek(tokens(i)) for cache in caches), -i))
+            index = max(waiting, key=lambda i: (max(cache.peek(prompts[i]) for cache in caches), -i))
             waiting.remove(index)
         else:
             index = pending.pop(0)
-        prompt = tokens(index)
+        prompt = prompts[index]
         replica = max(range(replicas), key=lambda r: (caches[r].peek(prompt), -computed[r]))
         found = caches[replica].run(prompt)
         computed[replica] += len(prompt) - found

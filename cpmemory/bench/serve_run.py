@@ -31,8 +31,9 @@ from cpmemory.bench.trace import Trace, TraceRequest
 from cpmemory.errors import InvalidInputError
 
 STRATEGIES = ("original", "cpmemory")
-KNOWN_STRATEGIES = (*STRATEGIES, "cpmemory-nofit", "cpmemory-nomove", "cpmemory-nosplit", "cpmemory-nohold",
-                    "original-priority")
+PROXY_ABLATIONS = ("cpmemory-nofit", "cpmemory-nomove", "cpmemory-nosplit", "cpmemory-nohold")
+"""Strategies that start their own in-process proxy with one part of it off (never with ``--proxy``)."""
+KNOWN_STRATEGIES = (*STRATEGIES, *PROXY_ABLATIONS, "original-priority")
 """``cpmemory-nofit``: the in-process proxy with cache-fit admission off (cpmemory.server.fit); ``cpmemory-nomove``:
 admission on without its moves (``CacheFit`` ``move``); ``cpmemory-nosplit``: the hold queue without its split of a
 window over the replicas (``ServerConfig.hold_split``); ``cpmemory-nohold``: the proxy without the hold queue that
@@ -385,7 +386,7 @@ def validate(settings: ServeSettings) -> None:
     unknown = set(settings.strategies) - set(KNOWN_STRATEGIES)
     if unknown or not settings.strategies:
         raise InvalidInputError(f"unknown strategies {sorted(unknown)}; choose from {', '.join(KNOWN_STRATEGIES)}")
-    for own in ("cpmemory-nofit", "cpmemory-nomove", "cpmemory-nosplit", "cpmemory-nohold"):
+    for own in PROXY_ABLATIONS:
         if settings.proxy is not None and own in settings.strategies:
             raise InvalidInputError(f"{own} starts its own proxy: it cannot run with --proxy")
     if settings.proxy is not None and settings.engine_priority:

@@ -29,7 +29,7 @@ import typer
 
 from cpmemory.errors import InvalidInputError, MissingDependencyError
 from cpmemory.routing.router import RouterConfig
-from cpmemory.server.config import SERVER_REDIS, ServerConfig
+from cpmemory.server.config import HOLD_MS_MAX, SERVER_REDIS, ServerConfig
 from cpmemory.server.fit import GAP_MARGIN
 from cpmemory.stores.redis_store import RedisStoreConfig
 
@@ -106,8 +106,8 @@ def command(
         "replica in flight, arriving requests are held (at most --hold-ms) and released together in the window "
         "planner's order. Default: off, nothing is held."),
     hold_ms: float = typer.Option(_FIELDS["hold_ms"].default, "--hold-ms",
-                                  help="The longest a request is held, in milliseconds, at most 60000 (with --max-in-flight). "
-                                  "Seconds pay only where arrivals outrun the replicas for a while."),
+                                  help=f"The longest a request is held, in milliseconds, at most {HOLD_MS_MAX:.0f} (with "
+                                  "--max-in-flight). Seconds pay only where arrivals outrun the replicas for a while."),
     hold_split: bool = typer.Option(
         _FIELDS["hold_split"].default, "--hold-split/--no-hold-split",
         help="Split a held window that outgrows the replicas' caches over them: one run of the planned order per "

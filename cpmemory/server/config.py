@@ -20,6 +20,8 @@ from cpmemory.session.config import CpMemoryConfig
 from cpmemory.stores.redis_store import RedisStoreConfig
 
 SERVER_REDIS = RedisStoreConfig(socket_timeout_s=1.0, connect_timeout_s=1.0)
+HOLD_MS_MAX = 60_000.0
+"""The longest ``hold_ms`` allowed: a minute (seconds of hold pay only under sustained overload)."""
 """The proxy's Redis defaults: longer timeouts than the library's (the proxy shares its loop with many clients)."""
 
 
@@ -109,7 +111,7 @@ class ServerConfig(BaseModel):
     prompt_budget: bool = True
     answer_reserve_tokens: int = Field(default=1024, ge=1)
     max_in_flight: int | None = Field(default=None, ge=1, description="per replica; None: the hold queue is off")
-    hold_ms: float = Field(default=5.0, gt=0, le=60_000, description="the longest a request is held")
+    hold_ms: float = Field(default=5.0, gt=0, le=HOLD_MS_MAX, description="the longest a request is held")
     hold_split: bool = Field(default=True, description="split a held window that outgrows the caches over replicas")
     fit: bool = True
     fit_fill: float = Field(default=0.9, gt=0, le=1)
