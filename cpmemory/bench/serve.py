@@ -72,6 +72,7 @@ async def in_process_proxy(settings: ServeSettings, cache_tokens: int | None = N
                           kv_events=list(settings.kv_events), engine_timeout_s=settings.engine_timeout_s, fit=fit,
                           fit_move=fit_move, **({"fit_fill": settings.fit_fill} if settings.fit_fill else {}),
                           **({"max_in_flight": settings.max_in_flight} if settings.max_in_flight and hold else {}),
+                          hold_fit=settings.hold_fit and hold,
                           **({"hold_ms": settings.hold_ms} if settings.hold_ms is not None and hold else {}),
                           hold_split=hold_split,
                           tokenizer=settings.tokenizer, cache_salt=settings.cache_salt,
@@ -380,6 +381,8 @@ def command(
         None, "--max-in-flight", min=1,
         help="The in-process proxy's hold queue: requests per replica before it holds and plans them (serve "
              "--max-in-flight; default off)."),
+    hold_fit: bool = typer.Option(False, "--hold-fit", help="The in-process proxy's hold queue with its token bound: "
+                                  "it holds while the requests in flight fill the replicas' caches (serve --hold-fit)."),
     hold_ms: float | None = typer.Option(None, "--hold-ms", min=0.0,
                                          help="The hold queue's longest wait (serve --hold-ms; default 5)."),
     engine_priority: bool = typer.Option(
@@ -430,7 +433,7 @@ def command(
         trace = _load(trace_file, workload, data_dir, multi_turn)
         settings = ServeSettings(
             engines=tuple(engine), upstream=upstream, proxy=proxy, kv_events=tuple(kv_events or ()), tokenizer=tokenizer,
-            fit_fill=fit_fill, max_in_flight=max_in_flight, hold_ms=hold_ms, engine_priority=engine_priority,
+            fit_fill=fit_fill, max_in_flight=max_in_flight, hold_fit=hold_fit, hold_ms=hold_ms, engine_priority=engine_priority,
             cache_salt=cache_salt, upstream_session=upstream_session, original_routing=original_routing,
             concurrency=concurrency, rate=min(rate) if rate else None, requests=requests, max_turns=max_turns, max_tokens=max_tokens,
             timeout_s=timeout, engine_timeout_s=engine_timeout, model=model, seed=seed, rounds=rounds,

@@ -60,6 +60,7 @@ class ServeSettings(BaseModel):
     tokenizer: str | None = Field(None, description="the in-process proxy's local tokenizer (cpmemory serve --tokenizer)")
     fit_fill: float | None = Field(None, gt=0, le=1, description="the in-process proxy's --fit-fill (None: its default)")
     max_in_flight: int | None = Field(None, ge=1, description="the in-process proxy's --max-in-flight (hold queue)")
+    hold_fit: bool = Field(False, description="the in-process proxy's --hold-fit (hold queue, token bound)")
     engine_priority: bool = Field(False, description="the in-process proxy's --engine-priority")
     hold_ms: float | None = Field(None, ge=0, description="the in-process proxy's --hold-ms (with max_in_flight)")
     concurrency: int = Field(8, ge=1, le=4096)
@@ -394,8 +395,9 @@ def validate(settings: ServeSettings) -> None:
                                 "(serve --engine-priority)")
     if settings.proxy is not None and settings.fit_fill is not None:
         raise InvalidInputError("--fit-fill sets the in-process proxy: give it to the running proxy (serve --fit-fill)")
-    if settings.proxy is not None and (settings.max_in_flight is not None or settings.hold_ms is not None):
-        raise InvalidInputError("--max-in-flight and --hold-ms set the in-process proxy: give them to the running proxy "
-                                "(serve --max-in-flight --hold-ms)")
-    if settings.hold_ms is not None and settings.max_in_flight is None:
-        raise InvalidInputError("--hold-ms needs --max-in-flight (the hold queue is off without it)")
+    if settings.proxy is not None and (settings.max_in_flight is not None or settings.hold_fit
+                                       or settings.hold_ms is not None):
+        raise InvalidInputError("--max-in-flight, --hold-fit and --hold-ms set the in-process proxy: give them to the "
+                                "running proxy (serve --max-in-flight --hold-fit --hold-ms)")
+    if settings.hold_ms is not None and settings.max_in_flight is None and not settings.hold_fit:
+        raise InvalidInputError("--hold-ms needs --max-in-flight or --hold-fit (the hold queue is off without them)")

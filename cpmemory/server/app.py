@@ -42,7 +42,7 @@ from cpmemory.routing.router import Router
 from cpmemory.routing.transport import ChatTransport, HttpxChatTransport
 from cpmemory.server.budget import EngineBudget
 from cpmemory.server.config import ServerConfig
-from cpmemory.server.fit import FIT_HEADER, CacheFit
+from cpmemory.server.fit import DEFAULT_TOKENS_PER_CHAR, FIT_HEADER, CacheFit
 from cpmemory.server.hold import Admission, HoldQueue, unheld
 from cpmemory.server.metrics import ProxyMetrics
 from cpmemory.server.salt import CacheSalts
@@ -157,6 +157,7 @@ def create_app(
     service.gateway_replicas = len(config.engines) if config.attributes_gateway else 0
     service.hold = build_hold(config, service.memory, router, metrics,
                               cache_tokens=lambda: fleet_cache_tokens(config, service.fit))
+    service.hold_fit = config.hold_fit
     tokenizer = build_tokenizer(config)
     metrics.local_tokenizer.set(1 if tokenizer is not None else 0)
     http_client = getattr(dispatcher.transport, "client", None)
@@ -217,12 +218,14 @@ def create_app(
 
 def build_hold(config: ServerConfig, memory: TurnMemory, router: Router, metrics: ProxyMetrics,
                cache_tokens: Callable[[], int | None] | None = None) -> HoldQueue | None:
-    """The hold-and-release queue when ``max_in_flight`` is set: the facade's ``release_plan`` plans each window
+    """The hold-and-release queue when ``max_in_flight`` or ``hold_fit`` is set (with ``hold_fit`` the requests in
+    flight may take at most ``cache_tokens()`` estimated prompt tokens together; no token bound while that is
+    unknown): the facade's ``release_plan`` plans each window
     (``release_order`` with ``hold_split`` off, behind a gateway unless each lane can be named to it as a session,
     or where a memory has no ``release_plan``; neither: first come first served), told ``cache_tokens()`` (what the
     fleet's KV caches hold, when known: a window that outgrows it is planned as a batch and split over the healthy
     replicas, or the gateway's); the bound scales with the healthy replicas."""
-    if config.max_in_flight is None:
+    if config.max_in_flight is None and not config.hold_fit:
         return None
     # behind a gateway a lane can only be named as a session (its replicas known from their KV events); reordering
     # alone, with the gateway placing each request, measured worse (docs/server.md)
@@ -241,8 +244,8 @@ def build_hold(config: ServerConfig, memory: TurnMemory, router: Router, metrics
             if size is None:
                 return release_order(requests, tenant=tenant)  # type: ignore[no-any-return]
             return release_order(requests, tenant=tenant, cache_tokens=size)  # type: ignore[no-any-return]
-    return HoldQueue(config.max_in_flight, config.hold_ms / 1000.0, replicas=router.healthy_count, planner=planner,
-                     observer=metrics)
+    return HoldQueue(config.max_in_flight, config.hold_ms / 1000.0, replicas=router.healthy_count,
+                     token_budget=cache_tokens if config.hold_fit else None, planner=planner, observer=metrics)
 
 
 def fleet_cache_tokens(config: ServerConfig, fit: CacheFit | None) -> int | None:
@@ -434,7 +437,7 @@ def _install_routes(app: Any, service: ProxyService, resolve_tenant: _TenantReso
             except InvalidInputError as error:  # rejected before it is held: nothing waits for a bad request
                 return error_response(400, "invalid_request_error", "invalid_input", str(error))
             service.arrived(tenant, turn)
-        admission = await admit(service, raw, tenant, turn)
+        admission = await admit(service, raw, tenant, turn, held_tokens(service, request, turn))
         if admission is None:  # the client went away while held: nothing was prepared or sent
             return Response(status_code=499)
         response = None
@@ -488,16 +491,30 @@ async def _respond(service: ProxyService, request: ChatCompletionRequest, tenant
     return JSONResponse(outcome.body)
 
 
-async def admit(service: ProxyService, raw: Any, tenant: str, turn: TurnInput | None) -> Admission | None:
-    """The request's admission by the hold queue (at once when it is off or a slot is free); None when the client
-    disconnected while held (the request left the queue)."""
+def held_tokens(service: ProxyService, request: ChatCompletionRequest, turn: TurnInput | None) -> int:
+    """A request's prompt tokens as the hold queue's token bound counts them, before it is prepared: the characters
+    of its messages and blocks at the tokens per character that cache-fit admission observed (else about four
+    characters a token). 0 when the queue has no token bound."""
+    if service.hold is None or not service.hold_fit:
+        return 0
+    chars = sum(len(str(message.content or "")) for message in request.messages)
+    if turn is not None:
+        chars += sum(len(block.text) for block in turn.blocks)
+    per_char = service.fit.tokens_per_char if service.fit is not None else DEFAULT_TOKENS_PER_CHAR
+    return int(chars * per_char)
+
+
+async def admit(service: ProxyService, raw: Any, tenant: str, turn: TurnInput | None,
+                tokens: int = 0) -> Admission | None:
+    """The request's admission by the hold queue (at once when it is off or within its bounds); None when the
+    client disconnected while held (the request left the queue). ``tokens``: its estimated prompt tokens."""
     hold = service.hold
     if hold is None:
         return unheld()
-    admission = hold.try_admit()
+    admission = hold.try_admit(tokens)
     if admission is not None:
         return admission
-    waiter = asyncio.ensure_future(hold.admit(tenant, turn.blocks if turn is not None else ()))
+    waiter = asyncio.ensure_future(hold.admit(tenant, turn.blocks if turn is not None else (), tokens))
     gone = asyncio.ensure_future(_disconnected(raw))
     try:
         await asyncio.wait({waiter, gone}, return_when=asyncio.FIRST_COMPLETED)

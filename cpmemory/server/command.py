@@ -104,10 +104,15 @@ def command(
         None, "--max-in-flight", min=1, show_default=False,
         help="Requests one replica can run at once (vLLM's --max-num-seqs). While the proxy has that many per healthy "
         "replica in flight, arriving requests are held (at most --hold-ms) and released together in the window "
-        "planner's order. Default: off, nothing is held."),
+        "planner's order. Default: off, nothing is held (unless --hold-fit)."),
+    hold_fit: bool = typer.Option(
+        _FIELDS["hold_fit"].default, "--hold-fit/--no-hold-fit",
+        help="Hold while the requests in flight fill the replicas' KV caches together (their prompts' estimated "
+        "tokens against the cache sizes read from the engines), as vLLM would queue them: the hold queue without "
+        "finding --max-in-flight (with it, both bounds hold)."),
     hold_ms: float = typer.Option(_FIELDS["hold_ms"].default, "--hold-ms",
                                   help=f"The longest a request is held, in milliseconds, at most {HOLD_MS_MAX:.0f} (with "
-                                  "--max-in-flight). Seconds pay only where arrivals outrun the replicas for a while."),
+                                  "--max-in-flight or --hold-fit). Seconds pay only where arrivals outrun the replicas for a while."),
     hold_split: bool = typer.Option(
         _FIELDS["hold_split"].default, "--hold-split/--no-hold-split",
         help="Split a held window that outgrows the replicas' caches over them: one run of the planned order per "
@@ -164,7 +169,7 @@ def command(
             cache_salt=cache_salt, upstream_session=upstream_session,
             engine_timeout_s=engine_timeout, kv_events=kv_events, tokenizer=tokenizer,
             upstream=upstream, router=RouterConfig(policy=router_policy),  # type: ignore[arg-type]
-            replica_cache_tokens=replica_cache_tokens, max_in_flight=max_in_flight, hold_ms=hold_ms,
+            replica_cache_tokens=replica_cache_tokens, max_in_flight=max_in_flight, hold_fit=hold_fit, hold_ms=hold_ms,
             hold_split=hold_split,
             fit=fit, fit_fill=fit_fill, fit_max_wait_s=fit_max_wait, fit_idle_ms=fit_idle_ms, fit_learn_idle=fit_learn_idle, fit_move=fit_move,
             engine_priority=engine_priority,

@@ -62,10 +62,14 @@ class ServerConfig(BaseModel):
         answer_reserve_tokens: answer tokens reserved for a request that gives no ``max_tokens``.
         max_in_flight: requests one replica can run at once (vLLM's ``--max-num-seqs``); while the proxy has that
             many per healthy replica in flight, arriving requests are held and released together in the window
-            planner's order (cpmemory.server.hold). None (the default): nothing is held.
+            planner's order (cpmemory.server.hold). None (the default): no count bound; nothing is held unless ``hold_fit``.
         hold_ms: the longest a request is held (milliseconds, at most one minute). Short (the default) gathers the
             requests that arrive together; long (seconds) turns the queue of a fleet under sustained overload into
             planned windows, and holds requests a replica could have run when it is not overloaded.
+        hold_fit: the hold queue's token bound: while the requests in flight (their prompts' estimated tokens) fill
+            the replicas' KV caches together (read from the engines' ``/metrics``, else ``replica_cache_tokens`` when
+            given), arriving requests are held, as a vLLM replica would queue them. Needs no ``max_in_flight``
+            (with it, both bounds hold); no token bound while no cache size is known.
         hold_split: a held window that outgrows the replicas' caches is split over them (one contiguous run of the
             planned order per replica, even in prefill work, each run in shortest-mean-work order; cpmemory.server.hold);
             off: the router places each released request.
@@ -113,6 +117,7 @@ class ServerConfig(BaseModel):
     max_in_flight: int | None = Field(default=None, ge=1, description="per replica; None: the hold queue is off")
     hold_ms: float = Field(default=5.0, gt=0, le=HOLD_MS_MAX, description="the longest a request is held")
     hold_split: bool = Field(default=True, description="split a held window that outgrows the caches over replicas")
+    hold_fit: bool = Field(default=False, description="hold while the requests in flight fill the replicas' KV caches")
     fit: bool = True
     fit_fill: float = Field(default=0.9, gt=0, le=1)
     fit_idle_ms: float = Field(default=500.0, ge=0, le=600_000)

@@ -35,6 +35,15 @@ was sent (``Admission.sent``: the engine accepted the call), at most ``SEND_TURN
 turn came, and the engine queues the window in the planned order. (Counted from its own release instead, the limit
 let every request after the first second of sends go at once: 13-41 of a 62-request window, measured.)
 
+The bound is a count of requests (``max_in_flight`` per healthy replica, what one replica runs at once), a count of
+tokens (``token_budget``: what the fleet's KV caches hold, each request counted by its estimated prompt tokens), or
+both. vLLM runs a request while its KV blocks fit and queues it otherwise; with prompts of thousands of tokens that,
+not ``--max-num-seqs``, is what a replica runs at once (two caches of 17,408 tokens run three 5,800-token LoCoMo
+prompts each). The proxy cannot read ``max_num_seqs`` but reads each engine's cache size, so the token bound holds
+exactly the requests an engine would have queued without a setting the user must find. It overestimates a window
+whose requests share prefixes (vLLM keeps one copy of a shared block): such requests wait for a release where the
+engine might have run them, as they would under a count set too low; one request always runs.
+
 A window that outgrows the replicas' caches is also *split* when the planner returns a
 :class:`~cpmemory.core.scheduling.ReleasePlan` with lanes (``CpMemory.release_plan``): one contiguous run of the
 planned order per replica, even in prefill work, each run in shortest-mean-work order. Each released request then
@@ -162,6 +171,7 @@ class Admission:
     _sent: asyncio.Event | None = field(default=None, repr=False)
     _after_turn: asyncio.Event | None = field(default=None, repr=False)  # the previous one's turn came
     _turn: asyncio.Event | None = field(default=None, repr=False)
+    _tokens: int = field(default=0, repr=False)  # its estimated prompt tokens, counted in flight until done
 
     async def in_turn(self, timeout_s: float = SEND_TURN_S) -> None:
         """Wait until the request released before this one (in the window's order; in its lane's, when the window
@@ -207,7 +217,7 @@ class Admission:
         self.sent()
         queue, self._queue = self._queue, None
         if queue is not None:
-            queue._finished()
+            queue._finished(self._tokens)
 
 
 def unheld() -> Admission:
@@ -219,6 +229,7 @@ def unheld() -> Admission:
 class _Held:
     tenant: str
     blocks: tuple[Block, ...]
+    tokens: int
     arrived: float
     future: asyncio.Future[Admission]
 
@@ -227,24 +238,31 @@ class HoldQueue:
     """Holds requests while the replicas are full and releases them in planner order. See the module docstring.
 
     Args:
-        max_in_flight: requests one replica can run at once.
+        max_in_flight: requests one replica can run at once; None: no count bound (``token_budget`` then bounds).
         hold_s: the longest a request is held.
         replicas: how many replicas are healthy now (the bound is ``max_in_flight`` times that, at least one).
+        token_budget: the tokens the requests in flight may take together (the fleet's KV cache), None while
+            unknown (no token bound then); each request counts the ``tokens`` it was admitted with.
         planner: orders a tenant's waiting requests; None releases first come first served.
         observer: receives the queue's events (metrics).
     """
 
-    def __init__(self, max_in_flight: int, hold_s: float, *, replicas: Callable[[], int] = lambda: 1,
-                 planner: Planner | None = None, observer: HoldObserver | None = None) -> None:
-        if max_in_flight < 1 or hold_s <= 0:
+    def __init__(self, max_in_flight: int | None, hold_s: float, *, replicas: Callable[[], int] = lambda: 1,
+                 token_budget: Callable[[], int | None] | None = None, planner: Planner | None = None,
+                 observer: HoldObserver | None = None) -> None:
+        if (max_in_flight is not None and max_in_flight < 1) or hold_s <= 0:
             raise ValueError("max_in_flight must be >= 1 and hold_s > 0")
+        if max_in_flight is None and token_budget is None:
+            raise ValueError("a hold queue needs max_in_flight, token_budget or both")
         self.max_in_flight = max_in_flight
         self.hold_s = hold_s
         self._replicas = replicas
+        self._token_budget = token_budget
         self._planner = planner
         self._observer: HoldObserver = observer or _NullObserver()
         self._held: list[_Held] = []
         self._admitted = 0
+        self._tokens = 0
         self._timer: asyncio.TimerHandle | None = None
 
     @property
@@ -257,32 +275,53 @@ class HoldQueue:
         """Requests held now."""
         return len(self._held)
 
-    def capacity(self) -> int:
-        """``max_in_flight`` times the healthy replicas (at least one replica's worth)."""
-        return self.max_in_flight * max(1, self._replicas())
+    @property
+    def tokens(self) -> int:
+        """The estimated prompt tokens of the requests admitted whose engine call has not ended."""
+        return self._tokens
 
-    def try_admit(self) -> Admission | None:
-        """Admit a request now if a slot is free and nobody is held (held ones are never overtaken). O(1)."""
-        if self._held or self._admitted >= self.capacity():
+    def capacity(self) -> int | None:
+        """``max_in_flight`` times the healthy replicas (at least one replica's worth); None without a count bound."""
+        return None if self.max_in_flight is None else self.max_in_flight * max(1, self._replicas())
+
+    def _full(self, tokens: int) -> bool:
+        """Whether one more request of ``tokens`` would pass a bound (never while nothing is in flight)."""
+        if self._admitted == 0:
+            return False
+        capacity = self.capacity()
+        if capacity is not None and self._admitted >= capacity:
+            return True
+        budget = None if self._token_budget is None else self._token_budget()
+        return budget is not None and self._tokens + tokens > budget
+
+    def try_admit(self, tokens: int = 0) -> Admission | None:
+        """Admit a request of ``tokens`` (estimated prompt tokens) now if it is within the bounds and nobody is
+        held (held ones are never overtaken). O(1)."""
+        if self._held or self._full(tokens):
             return None
-        self._admitted += 1
-        return Admission("immediate", _queue=self)
+        return self._admit_one(Admission("immediate", _queue=self, _tokens=tokens))
 
-    async def admit(self, tenant: str, blocks: Sequence[Block] = ()) -> Admission:
-        """Admit a request: at once when a slot is free, else after it was held (at most ``hold_s``).
+    def _admit_one(self, admission: Admission) -> Admission:
+        self._admitted += 1
+        self._tokens += admission._tokens
+        return admission
+
+    async def admit(self, tenant: str, blocks: Sequence[Block] = (), tokens: int = 0) -> Admission:
+        """Admit a request: at once when it is within the bounds, else after it was held (at most ``hold_s``).
 
         Args:
             tenant: whose index plans the request's window.
             blocks: the request's blocks (none for a plain request: it keeps its place, first come first served).
+            tokens: its estimated prompt tokens (what it takes of ``token_budget`` while in flight).
 
         A cancelled waiter leaves the queue (nothing to undo); one released but cancelled before it resumed gives
         its slot back.
         """
-        admission = self.try_admit()
+        admission = self.try_admit(tokens)
         if admission is not None:
             return admission
         loop = asyncio.get_running_loop()
-        entry = _Held(tenant, tuple(blocks), loop.time(), loop.create_future())
+        entry = _Held(tenant, tuple(blocks), tokens, loop.time(), loop.create_future())
         self._held.append(entry)
         if self._timer is None:  # the oldest held request sets the deadline of the whole window
             self._timer = loop.call_later(self.hold_s, self._release, "timeout")
@@ -302,9 +341,10 @@ class HoldQueue:
             entry.future.result().done()  # released, but its request will not run
         self._observer.cancelled(len(self._held))
 
-    def _finished(self) -> None:
+    def _finished(self, tokens: int) -> None:
         self._admitted = max(0, self._admitted - 1)
-        if self._held and self._admitted < self.capacity():
+        self._tokens = max(0, self._tokens - tokens)
+        if self._held and not self._full(0):
             self._release("slot")
 
     def _cancel_timer(self) -> None:
@@ -328,13 +368,12 @@ class HoldQueue:
         for position, index in enumerate(order):
             entry = window[index]
             waits.append(now - entry.arrived)
-            self._admitted += 1
             turn, sent = asyncio.Event(), asyncio.Event()
             lane, lane_map = lanes.get(index, (None, None))
             chain = None if lane_map is None or lane is None else (id(lane_map), lane)
             previous_turn, previous = last.get(chain, (None, None))
-            entry.future.set_result(Admission(reason, waits[-1], position, lane, lane_map, self, previous, sent,
-                                              previous_turn, turn))
+            entry.future.set_result(self._admit_one(Admission(reason, waits[-1], position, lane, lane_map, self,
+                                                              previous, sent, previous_turn, turn, entry.tokens)))
             last[chain] = (turn, sent)
         self._observer.released(reason, "planner" if planned else "fcfs", waits)
 

@@ -386,6 +386,9 @@ def test_ablations_start_their_own_proxy_and_unknown_strategies_are_refused(stra
     with pytest.raises(InvalidInputError, match="needs --max-in-flight"):
         validate(ServeSettings(engines=["http://e"], strategies=["cpmemory"], hold_ms=50))
     validate(ServeSettings(engines=["http://e"], strategies=["cpmemory"], max_in_flight=2, hold_ms=50))
+    validate(ServeSettings(engines=["http://e"], strategies=["cpmemory"], hold_fit=True, hold_ms=50))
+    with pytest.raises(InvalidInputError, match="in-process proxy"):
+        validate(ServeSettings(engines=["http://e"], proxy="http://p", strategies=["cpmemory"], hold_fit=True))
 
 
 def test_a_per_request_record_says_where_each_request_went_and_what_it_found_cached():

@@ -213,6 +213,51 @@ def test_bad_bounds_are_rejected():
         HoldQueue(0, 0.005)
     with pytest.raises(ValueError):
         HoldQueue(1, 0.0)
+    with pytest.raises(ValueError):
+        HoldQueue(None, 0.005)  # no bound at all
+
+
+async def test_the_token_bound_holds_what_would_overflow_the_caches_and_a_finished_request_releases_the_window():
+    budget = [10_000]
+    recorder = Recorder()
+    queue = HoldQueue(None, LONG, token_budget=lambda: budget[0], planner=reverse_planner([]), observer=recorder)
+    assert queue.capacity() is None
+    first = queue.try_admit(6_000)
+    second = queue.try_admit(4_000)  # 10,000: exactly the budget
+    assert first is not None and second is not None and queue.tokens == 10_000 and queue.admitted == 2
+    assert queue.try_admit(1) is None  # one token more overflows
+    waiters = [asyncio.ensure_future(queue.admit("t", blocks(i), 3_000)) for i in (1, 2, 3)]
+    await asyncio.sleep(0)
+    assert queue.waiting == 3
+    second.done()  # 6,000 in flight: room again, the whole window goes (past the budget, as with the count)
+    released = await asyncio.gather(*waiters)
+    assert {admission.reason for admission in released} == {"slot"} and queue.waiting == 0
+    assert queue.tokens == 6_000 + 3 * 3_000 and queue.admitted == 4
+    assert recorder.releases == [("slot", "planner", 3)]
+    for admission in [first, *released]:
+        admission.done()
+        admission.done()  # idempotent: its tokens are given back once
+    assert queue.tokens == 0 and queue.admitted == 0
+
+
+async def test_one_request_always_runs_and_an_unknown_budget_bounds_nothing():
+    budget: list[int | None] = [1_000]
+    queue = HoldQueue(None, LONG, token_budget=lambda: budget[0])
+    huge = queue.try_admit(50_000)  # larger than the caches: it still runs when nothing else does
+    assert huge is not None and queue.try_admit(10) is None
+    huge.done()
+    budget[0] = None  # the engines' sizes are not read yet: nothing is held
+    admitted = [queue.try_admit(50_000) for _ in range(5)]
+    assert all(admission is not None for admission in admitted) and queue.tokens == 250_000
+
+
+async def test_with_both_bounds_either_one_holds():
+    queue = HoldQueue(2, LONG, token_budget=lambda: 10_000)
+    small = [queue.try_admit(10), queue.try_admit(10)]
+    assert all(small) and queue.try_admit(10) is None  # the count binds
+    small[0].done()
+    assert queue.try_admit(9_991) is None  # one slot is free, but the tokens bind: 10 + 9,991 > 10,000
+    assert queue.try_admit(9_990) is not None and queue.tokens == 10_000
 
 
 async def test_with_the_facade_as_planner_the_window_s_shared_blocks_lead():

@@ -80,7 +80,8 @@ class HeldProxy:
         self.transport = GatedTransport(self.fleet.chat_transport())
         self.memory = memory
         config.setdefault("hold_ms", 1000.0)  # the longest allowed: releases come from slots unless a test says so
-        self.app = create_app(ServerConfig(engines=self.fleet.urls, max_in_flight=1, **config), memory=memory,
+        config.setdefault("max_in_flight", 1)
+        self.app = create_app(ServerConfig(engines=self.fleet.urls, **config), memory=memory,
                               transport=self.transport)
         self.client = httpx.AsyncClient(transport=httpx.ASGITransport(app=self.app), base_url="http://proxy",
                                         timeout=30)
@@ -275,6 +276,35 @@ async def test_a_client_that_disconnects_while_held_leaves_the_queue_cleanly(hel
     assert proxy.hold.admitted == 0 and proxy.hold.waiting == 0
 
 
+@pytest.mark.parametrize("cache_tokens, held", [(1, True), (1_000_000, False)])
+async def test_with_the_token_bound_requests_wait_while_those_in_flight_fill_the_caches(held_proxy, cache_tokens,
+                                                                                       held):
+    """--hold-fit without --max-in-flight: the first request's estimated tokens fill caches of 1 token (it runs: one
+    always does), so the window waits for it and goes as one planned window; caches of a million hold nothing."""
+    proxy = held_proxy(max_in_flight=None, hold_fit=True, replica_cache_tokens=cache_tokens)
+    assert proxy.hold.max_in_flight is None
+    first = proxy.post(body("first", FIRST))
+    await asyncio.wait_for(proxy.transport.entered.wait(), 10)
+    assert proxy.hold.tokens > 0  # the first's estimate, counted in flight
+    futures = [proxy.post(body(f"w{number}", ids)) for number, ids in enumerate(WINDOW)]
+    if held:
+        await proxy.until(lambda: proxy.hold.waiting == len(WINDOW))
+        assert len(proxy.fleet.calls) == 0
+    else:
+        await proxy.until(lambda: len(proxy.fleet.calls) == len(WINDOW))  # all sent while the first still runs
+        assert proxy.hold.waiting == 0
+    proxy.transport.gate.set()
+    responses = await asyncio.gather(first, *futures)
+    assert [response.status_code for response in responses] == [200] * len(responses)
+    by_conversation = {conversation: call for conversation, (_, call) in zip(proxy.sent_conversations(),
+                                                                             proxy.fleet.calls)}
+    for conversation, ids in [("first", FIRST), *((f"w{n}", ids) for n, ids in enumerate(WINDOW))]:
+        assert check_no_loss(blocks(ids), by_conversation[conversation]["messages"]).ok
+    held_total = (await proxy.metric("cpmemory_hold_held_total"))["cpmemory_hold_held_total"]
+    assert held_total == (len(WINDOW) if held else 0)
+    assert proxy.hold.admitted == 0 and proxy.hold.tokens == 0
+
+
 async def test_off_by_default_nothing_waits():
     config = ServerConfig(engines=["http://engine-0"])
     assert config.max_in_flight is None and config.hold_ms == 5.0
@@ -307,10 +337,12 @@ def test_serve_flags_reach_the_queue(monkeypatch):
     assert runner.invoke(cli, ["serve", "--engine", "http://127.0.0.1:9", "--max-in-flight", "1",
                                "--hold-ms", "30000"]).exit_code == 0
     assert served[2].state.service.hold.hold_s == pytest.approx(30.0)
+    assert runner.invoke(cli, ["serve", "--engine", "http://127.0.0.1:9", "--hold-fit"]).exit_code == 0
+    assert served[3].state.service.hold.max_in_flight is None and served[3].state.service.hold_fit
     for bad in (["--max-in-flight", "0"], ["--max-in-flight", "2", "--hold-ms", "0"],
                 ["--max-in-flight", "2", "--hold-ms", "60001"]):
         result = runner.invoke(cli, ["serve", "--engine", "http://127.0.0.1:9", *bad])
-        assert result.exit_code == 2 and len(served) == 3
+        assert result.exit_code == 2 and len(served) == 4
 
 
 def _cluster_window():
