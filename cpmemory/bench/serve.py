@@ -59,7 +59,7 @@ async def in_process_proxy(settings: ServeSettings, cache_tokens: int | None = N
     of what each replica caches assumes ``cache_tokens`` per replica (the engines' own KV cache size when known);
     ``fit``: cache-fit admission on (the proxy's default) or off; ``fit_move``: its moves of a conversation that no
     longer fits its replica (on by default); ``hold_split``: the hold queue's split of a window over the replicas;
-    ``hold``: False leaves the hold queue off whatever ``settings.max_in_flight`` says.
+    ``hold``: False leaves the hold queue off whatever ``settings.max_in_flight`` and ``hold_fit`` say.
     """
     import uvicorn
 

@@ -582,6 +582,7 @@ def _install_operations(app: Any, service: ProxyService, resolve_tenant: _Tenant
             service.metrics.observe_kv_sync(service.kv_sync.stats(), service.kv_sync.failures)
         if service.hold is not None:
             service.metrics.hold_admitted.set(service.hold.admitted)
+            service.metrics.hold_tokens.set(service.hold.tokens)
             service.metrics.hold_waiting.set(service.hold.waiting)
         view = service.dispatcher.router.view
         if isinstance(view, EventPrefixView):

@@ -3,11 +3,11 @@ are released together, in the window planner's order.
 
 ::
 
-    arrival ──► try_admit ── a slot is free and nobody waits ──► run now            (reason "immediate")
+    arrival ──► try_admit ── within the bounds and nobody waits ──► run now       (reason "immediate")
                    │
                    └── full, or others already wait ──► held (at most hold_s)
                                                           │
-              a request ends and frees a slot ────────────┤──► release every held request ("slot")
+              a request ends and frees room ──────────────┤──► release every held request ("slot")
               the oldest held request waited hold_s ──────┘    ("timeout"), in the planner's order
 
 A replica that already runs as many requests as it can (``max_in_flight``, e.g. vLLM's ``--max-num-seqs``) would

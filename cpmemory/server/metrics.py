@@ -102,6 +102,9 @@ class ProxyMetrics:
         self.hold_waiting = gauge("cpmemory_hold_waiting", "Requests held now", registry=registry)
         self.hold_admitted = gauge("cpmemory_hold_admitted", "Requests admitted whose engine call has not ended",
                                    registry=registry)
+        self.hold_tokens = gauge("cpmemory_hold_tokens", "Estimated prompt tokens of the admitted requests whose "
+                                 "engine call has not ended (--hold-fit bounds them by the replicas' KV caches)",
+                                 registry=registry)
         self.hold_seconds = histogram("cpmemory_hold_seconds", "How long a held request waited",
                                       buckets=HOLD_BUCKETS, registry=registry)
         self.hold_releases = counter(

@@ -286,6 +286,7 @@ async def test_with_the_token_bound_requests_wait_while_those_in_flight_fill_the
     first = proxy.post(body("first", FIRST))
     await asyncio.wait_for(proxy.transport.entered.wait(), 10)
     assert proxy.hold.tokens > 0  # the first's estimate, counted in flight
+    assert (await proxy.metric("cpmemory_hold_tokens")) == {"cpmemory_hold_tokens": proxy.hold.tokens}
     futures = [proxy.post(body(f"w{number}", ids)) for number, ids in enumerate(WINDOW)]
     if held:
         await proxy.until(lambda: proxy.hold.waiting == len(WINDOW))
