@@ -157,7 +157,6 @@ def create_app(
     service.gateway_replicas = len(config.engines) if config.attributes_gateway else 0
     service.hold = build_hold(config, service.memory, router, metrics,
                               cache_tokens=lambda: fleet_cache_tokens(config, service.fit))
-    service.hold_fit = config.hold_fit
     tokenizer = build_tokenizer(config)
     metrics.local_tokenizer.set(1 if tokenizer is not None else 0)
     http_client = getattr(dispatcher.transport, "client", None)
@@ -495,7 +494,7 @@ def held_tokens(service: ProxyService, request: ChatCompletionRequest, turn: Tur
     """A request's prompt tokens as the hold queue's token bound counts them, before it is prepared: the characters
     of its messages and blocks at the tokens per character that cache-fit admission observed (else about four
     characters a token). 0 when the queue has no token bound."""
-    if service.hold is None or not service.hold_fit:
+    if service.hold is None or not service.hold.counts_tokens:
         return 0
     chars = sum(len(str(message.content or "")) for message in request.messages)
     if turn is not None:

@@ -276,6 +276,11 @@ class HoldQueue:
         return len(self._held)
 
     @property
+    def counts_tokens(self) -> bool:
+        """Whether the queue has a token bound (callers then pass each request's estimated prompt tokens)."""
+        return self._token_budget is not None
+
+    @property
     def tokens(self) -> int:
         """The estimated prompt tokens of the requests admitted whose engine call has not ended."""
         return self._tokens

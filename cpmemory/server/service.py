@@ -212,7 +212,6 @@ class ProxyService:
         self.engine_budget: EngineBudget | None = None  # set by create_app (cpmemory.server.budget)
         self.answer_reserve_tokens = 1024  # answer tokens reserved when a request gives no max_tokens
         self.hold: HoldQueue | None = None  # the hold-and-release queue, when max_in_flight or hold_fit is set
-        self.hold_fit = False  # the queue also bounds the estimated prompt tokens in flight by the fleet's KV cache
         self.fit: CacheFit | None = None  # cache-fit admission, when the replicas' cache sizes are known (create_app)
         self.gateway_replicas = 0  # behind a gateway: the replicas whose KV events tell where a conversation went
         self._served_on: OrderedDict[str, int] = OrderedDict()  # conversation key -> the replica that served it

@@ -221,7 +221,7 @@ async def test_the_token_bound_holds_what_would_overflow_the_caches_and_a_finish
     budget = [10_000]
     recorder = Recorder()
     queue = HoldQueue(None, LONG, token_budget=lambda: budget[0], planner=reverse_planner([]), observer=recorder)
-    assert queue.capacity() is None
+    assert queue.capacity() is None and queue.counts_tokens and not HoldQueue(1, LONG).counts_tokens
     first = queue.try_admit(6_000)
     second = queue.try_admit(4_000)  # 10,000: exactly the budget
     assert first is not None and second is not None and queue.tokens == 10_000 and queue.admitted == 2

@@ -339,7 +339,7 @@ def test_serve_flags_reach_the_queue(monkeypatch):
                                "--hold-ms", "30000"]).exit_code == 0
     assert served[2].state.service.hold.hold_s == pytest.approx(30.0)
     assert runner.invoke(cli, ["serve", "--engine", "http://127.0.0.1:9", "--hold-fit"]).exit_code == 0
-    assert served[3].state.service.hold.max_in_flight is None and served[3].state.service.hold_fit
+    assert served[3].state.service.hold.max_in_flight is None and served[3].state.service.hold.counts_tokens
     for bad in (["--max-in-flight", "0"], ["--max-in-flight", "2", "--hold-ms", "0"],
                 ["--max-in-flight", "2", "--hold-ms", "60001"]):
         result = runner.invoke(cli, ["serve", "--engine", "http://127.0.0.1:9", *bad])
