@@ -37,7 +37,7 @@ KNOWN_STRATEGIES = (*STRATEGIES, *PROXY_ABLATIONS, "original-priority")
 """``cpmemory-nofit``: the in-process proxy with cache-fit admission off (cpmemory.server.fit); ``cpmemory-nomove``:
 admission on without its moves (``CacheFit`` ``move``); ``cpmemory-nosplit``: the hold queue without its split of a
 window over the replicas (``ServerConfig.hold_split``); ``cpmemory-nohold``: the proxy without the hold queue that
-``--max-in-flight`` turns on for the others (nothing held); ``original-priority``: ``original`` whose requests carry
+``--max-in-flight`` or ``--hold-fit`` turns on for the others (nothing held); ``original-priority``: ``original`` whose requests carry
 vLLM's ``priority`` by the same rule as the proxy's ``--engine-priority`` without a view of the caches (the tokens
 after the conversation's last answer: shortest new prompt first); all for ablations."""
 FIGURES = ("ttft_mean_ms", "ttft_p50_ms", "ttft_p90_ms", "latency_mean_ms", "throughput_rps", "prompt_tokens_per_s",
@@ -62,7 +62,7 @@ class ServeSettings(BaseModel):
     max_in_flight: int | None = Field(None, ge=1, description="the in-process proxy's --max-in-flight (hold queue)")
     hold_fit: bool = Field(False, description="the in-process proxy's --hold-fit (hold queue, token bound)")
     engine_priority: bool = Field(False, description="the in-process proxy's --engine-priority")
-    hold_ms: float | None = Field(None, ge=0, description="the in-process proxy's --hold-ms (with max_in_flight)")
+    hold_ms: float | None = Field(None, ge=0, description="the in-process proxy's --hold-ms (with max_in_flight or hold_fit)")
     concurrency: int = Field(8, ge=1, le=4096)
     rate: float | None = Field(None, gt=0, description="Poisson arrivals per second (instead of concurrency)")
     requests: int = Field(64, ge=1)

@@ -499,8 +499,7 @@ def held_tokens(service: ProxyService, request: ChatCompletionRequest, turn: Tur
     chars = sum(len(str(message.content or "")) for message in request.messages)
     if turn is not None:
         chars += sum(len(block.text) for block in turn.blocks)
-    per_char = service.fit.tokens_per_char if service.fit is not None else DEFAULT_TOKENS_PER_CHAR
-    return int(chars * per_char)
+    return service.fit.estimate(chars, 0) if service.fit is not None else int(chars * DEFAULT_TOKENS_PER_CHAR)
 
 
 async def admit(service: ProxyService, raw: Any, tenant: str, turn: TurnInput | None,
