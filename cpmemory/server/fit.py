@@ -69,7 +69,10 @@ FIT_REASONS: tuple[FitReason, ...] = ("first", "live", "resumed", "moved", "room
 logger = logging.getLogger(__name__)
 
 DEFAULT_TOKENS_PER_CHAR = 0.25
-"""Tokens per character before the first answer's usage is seen (about 4 characters per token)."""
+"""Tokens per character before a prompt was counted (about 4 characters per token)."""
+CALIBRATION_MIN_CHARS = 1_000
+"""A prompt this long or longer sets the tokens per character from its count alone (:meth:`CacheFit.calibrate`):
+on a shorter one the chat template's own tokens weigh too much."""
 
 GAP_SAMPLES = 128
 """Continuation gaps kept (the latest): a turn's end to its conversation's next turn reaching the proxy."""
@@ -212,6 +215,7 @@ class CacheFit:
         self._waiters: deque[_Waiter] = deque()
         self._timer: asyncio.TimerHandle | None = None
         self.tokens_per_char = DEFAULT_TOKENS_PER_CHAR
+        self._calibrated = False  # tokens_per_char came from a count (calibrate), not from the default
         self.learn_idle = learn_idle
         self.move_enabled = move
         self._ended: OrderedDict[str, float] = OrderedDict()  # conversation -> when its last turn ended
@@ -300,6 +304,30 @@ class CacheFit:
         stretches the window, and gaps are timed for every conversation whose turn ended (remembered whether or not
         it is still live), so a window that became too short still sees the longer gaps and grows back."""
         return self._window_s
+
+    @property
+    def calibrated(self) -> bool:
+        """Whether the tokens per character come from a count of a prompt of ``CALIBRATION_MIN_CHARS`` or more (the
+        engine's usage of an answered prompt, or a tokenizer's count before any answer), not the default."""
+        return self._calibrated
+
+    def calibrate(self, chars: int, tokens: int) -> None:
+        """Learn the tokens per character from one prompt of ``chars`` characters counted at ``tokens`` tokens: the
+        first count of a prompt of ``CALIBRATION_MIN_CHARS`` or more replaces the default; later counts move it by
+        a fifth of the difference (prompts differ). A shorter prompt moves it by a fifth and calibrates nothing.
+
+        Why the first replaces: the default, about four characters a token, can be far off (the bench model's
+        tokenizer takes 2.7 on LoCoMo), and moved a fifth at a time the estimate took ten answers to get near;
+        meanwhile the hold's token bound (``--hold-fit``) let a burst's first requests in by the default, a third
+        more prompt tokens than the caches hold, and sent them unplanned."""
+        if chars <= 0 or tokens <= 0:
+            return
+        observed = tokens / chars
+        if not self._calibrated and chars >= CALIBRATION_MIN_CHARS:
+            self.tokens_per_char = observed
+            self._calibrated = True
+        else:
+            self.tokens_per_char += 0.2 * (observed - self.tokens_per_char)
 
     def estimate(self, chars: int, answer_tokens: int) -> int:
         """A turn's footprint before the engine counted it: its prompt's characters and its answer's tokens."""
@@ -468,9 +496,7 @@ class CacheFit:
                 live.replica = replica  # a failover moved it
             if prompt_tokens:
                 live.footprint = prompt_tokens + max(0, answer_tokens)
-                if slot.chars > 0:  # learn the engine's tokens per character (slowly: prompts differ)
-                    observed = prompt_tokens / slot.chars
-                    self.tokens_per_char += 0.2 * (observed - self.tokens_per_char)
+                self.calibrate(slot.chars, prompt_tokens)  # the engine's tokens per character
             if live.in_flight == 0:
                 live.idle_since = self._clock()
                 self._ended[slot.key] = live.idle_since

@@ -46,7 +46,7 @@ class ProxyMetrics:
         )
         self.fallbacks = Counter(
             "cpmemory_fallbacks", "Degraded paths: store (pass-through), engine (failover), load (rebalanced), "
-            "route_tokenize (no prompt blocks for routing)",
+            "route_tokenize (no prompt blocks for routing), calibrate (the token estimate's count failed)",
             ["kind"], registry=registry,
         )
         self.memory_counters = Gauge(

@@ -17,6 +17,8 @@ so a tenant can never share prefix-cache entries with another).
 """
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import hashlib
 import logging
 import time
@@ -49,7 +51,7 @@ from cpmemory.routing.dispatch import NO_HINT, Dispatcher, DispatchResult, Route
 from cpmemory.routing.prefix import content_chars, text_blocks
 from cpmemory.routing.router import RouteDecision, conversation_affinity_key
 from cpmemory.server.budget import MAX_REPLANS, EngineBudget, EngineLimits, requested_answer_tokens, tighter_budget
-from cpmemory.server.fit import UNGATED, CacheFit, FitSlot
+from cpmemory.server.fit import CALIBRATION_MIN_CHARS, UNGATED, CacheFit, FitSlot
 from cpmemory.server.hold import Admission, HoldQueue
 from cpmemory.server.metrics import ProxyMetrics
 from cpmemory.server.salt import CacheSalts
@@ -61,6 +63,9 @@ from cpmemory.session.turns import BlockDecision, PreparedTurn, turn_counts
 logger = logging.getLogger(__name__)
 MAX_SERVED_ON = 100_000
 """Conversations whose serving replica behind a gateway the proxy remembers (least recently served dropped first)."""
+CALIBRATION_WAIT_S = 2.0
+"""How long requests wait for the count that calibrates the token estimate (:meth:`ProxyService.calibrate_estimate`)
+before they go on with the default; the count still lands when it answers."""
 
 
 class TurnMemory(Protocol):
@@ -215,6 +220,42 @@ class ProxyService:
         self.fit: CacheFit | None = None  # cache-fit admission, when the replicas' cache sizes are known (create_app)
         self.gateway_replicas = 0  # behind a gateway: the replicas whose KV events tell where a conversation went
         self._served_on: OrderedDict[str, int] = OrderedDict()  # conversation key -> the replica that served it
+        self._calibration: asyncio.Future[None] | None = None  # the one count that calibrates the estimate
+
+    @property
+    def calibration_tried(self) -> bool:
+        """Whether the count that calibrates the token estimate has answered (or failed)."""
+        return self._calibration is not None and self._calibration.done()
+
+    async def calibrate_estimate(self, model: str, messages: Sequence[Mapping[str, str]], chars: int) -> None:
+        """Before cache-fit admission's tokens per character were learnt from a count (``CacheFit.calibrated``),
+        when it knows the caches' sizes (else no estimate is compared with anything), count one prompt of ``CALIBRATION_MIN_CHARS`` characters or more (``messages``, ``chars`` characters): the
+        local tokenizer when there is one, else the engine's ``/tokenize``. One count for the whole proxy:
+        requests that arrive meanwhile wait for it, at most ``CALIBRATION_WAIT_S``; a count that fails is not
+        retried (the engine's usage of the first long answered prompt calibrates instead).
+
+        Why. The hold's token bound (``--hold-fit``) and cache-fit admission estimate a prompt's tokens from its
+        characters before it is sent; until an answer came back that estimate was the default, four characters a
+        token. A burst reaching a fresh proxy arrives before any answer: with the bench model's tokenizer (2.7
+        characters a token) the bound let in 8 LoCoMo prompts where the caches hold 6, unplanned."""
+        fit, counter = self.fit, self.engine_budget
+        if fit is None or not fit.sized or fit.calibrated or counter is None or chars < CALIBRATION_MIN_CHARS:
+            return
+        if self._calibration is None:
+            self._calibration = asyncio.ensure_future(self._count_for_calibration(counter, fit, model, messages,
+                                                                                  chars))
+        if not self._calibration.done():
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(asyncio.shield(self._calibration), CALIBRATION_WAIT_S)
+
+    async def _count_for_calibration(self, counter: EngineBudget, fit: CacheFit, model: str,
+                                     messages: Sequence[Mapping[str, str]], chars: int) -> None:
+        tokens = await counter.count(model, messages)
+        if tokens is None:
+            self.metrics.fallbacks.labels(kind="calibrate").inc()
+            return
+        fit.calibrate(chars, tokens)
+        logger.info("token estimate calibrated on one prompt: %.3f tokens per character", fit.tokens_per_char)
 
     async def route_hint(self, payload: Mapping[str, Any], sticky: bool, remember: bool = True,
                          key: str | None = None, placed: bool = False) -> RouteHint:

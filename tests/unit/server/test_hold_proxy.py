@@ -306,6 +306,51 @@ async def test_with_the_token_bound_requests_wait_while_those_in_flight_fill_the
     assert proxy.hold.admitted == 0 and proxy.hold.tokens == 0
 
 
+LONG = {i: f"Memory {i}: " + f"a long remembered fact, number {i}. " * 40 for i in range(5)}  # ~1,500 characters
+
+
+def long_body(conversation: str, i: int) -> dict[str, Any]:
+    return {"model": "tiny", "max_tokens": 8, "messages": [{"role": "user", "content": f"Question of {conversation}?"}],
+            "cpmemory": {"conversation_id": conversation, "blocks": [{"id": f"mem-{i}", "text": LONG[i]}]}}
+
+
+@pytest.mark.parametrize("tokenizes", [True, False])
+async def test_a_fresh_proxy_counts_its_first_request_to_estimate_tokens_before_any_answer(held_proxy, tokenizes):
+    """--hold-fit on a fresh proxy: no answer has taught the estimate yet. The first long request is counted once
+    (the engine's /tokenize: the mock counts a token a byte, four times the default estimate), so the next ones,
+    about 1,500 tokens each, wait behind it in a cache of 2,000 tokens. By the default (about 380 each) all five
+    would run at once; that is what happens when the count fails: reported, nothing lost, and the first answer
+    calibrates instead."""
+    proxy = held_proxy(max_in_flight=None, hold_fit=True, replica_cache_tokens=2_000)
+    if not tokenizes:
+        proxy.fleet.engine(0)._tokenize = lambda request: httpx.Response(404, json={"error": {"message": "no"}})
+    fit = proxy.app.state.service.fit
+    assert not fit.calibrated
+    first = proxy.post(long_body("first", 0))
+    await asyncio.wait_for(proxy.transport.entered.wait(), 10)
+    assert fit.calibrated is tokenizes
+    futures = [proxy.post(long_body(f"w{i}", i)) for i in range(1, 5)]
+    if tokenizes:
+        assert fit.tokens_per_char == pytest.approx(1.0, abs=0.05)
+        await proxy.until(lambda: proxy.hold.waiting == 4)
+        assert len(proxy.fleet.calls) == 0
+    else:
+        await proxy.until(lambda: len(proxy.fleet.calls) == 4)  # all sent while the first still runs
+        assert proxy.hold.waiting == 0
+        assert (await proxy.metric("cpmemory_fallbacks_total"))['cpmemory_fallbacks_total{kind="calibrate"}'] == 1
+    proxy.transport.gate.set()
+    responses = await asyncio.gather(first, *futures)
+    assert [response.status_code for response in responses] == [200] * 5
+    for conversation, (_, call) in zip(proxy.sent_conversations(), proxy.fleet.calls):
+        i = 0 if conversation == "first" else int(conversation[1:])
+        assert check_no_loss(blocks_of(i), call["messages"]).ok
+    assert fit.calibrated  # the engine's usage of the first answered prompt, when the count failed
+
+
+def blocks_of(i: int) -> list[dict[str, str]]:
+    return [{"id": f"mem-{i}", "text": LONG[i]}]
+
+
 async def test_off_by_default_nothing_waits():
     config = ServerConfig(engines=["http://engine-0"])
     assert config.max_in_flight is None and config.hold_ms == 5.0
