@@ -441,7 +441,7 @@ def _install_routes(app: Any, service: ProxyService, resolve_tenant: _TenantReso
             except InvalidInputError as error:  # rejected before it is held: nothing waits for a bad request
                 return error_response(400, "invalid_request_error", "invalid_input", str(error))
             service.arrived(tenant, turn)
-        if service.fit is not None and service.fit.sized and not service.fit.calibrated:
+        if service.needs_calibration:
             await calibrate(service, request, turn)
         admission = await admit(service, raw, tenant, turn, held_tokens(service, request, turn))
         if admission is None:  # the client went away while held: nothing was prepared or sent
@@ -518,7 +518,7 @@ async def calibrate(service: ProxyService, request: ChatCompletionRequest, turn:
     """Calibrate the token estimate on this request (``ProxyService.calibrate_estimate``) while no count has: its
     messages, its blocks' texts added to the last one (roles stay as the chat template expects them)."""
     chars = _request_chars(request, turn)
-    if chars < CALIBRATION_MIN_CHARS or service.calibration_tried:
+    if chars < CALIBRATION_MIN_CHARS:
         return
     messages = [{"role": message.role, "content": str(message.content or "")} for message in request.messages]
     if turn is not None and turn.blocks:

@@ -71,8 +71,8 @@ logger = logging.getLogger(__name__)
 DEFAULT_TOKENS_PER_CHAR = 0.25
 """Tokens per character before a prompt was counted (about 4 characters per token)."""
 CALIBRATION_MIN_CHARS = 1_000
-"""A prompt this long or longer sets the tokens per character from its count alone (:meth:`CacheFit.calibrate`):
-on a shorter one the chat template's own tokens weigh too much."""
+"""A prompt this long or longer may set the tokens per character from its count (:meth:`CacheFit.calibrate`): on a
+shorter one the chat template's own tokens weigh too much."""
 
 GAP_SAMPLES = 128
 """Continuation gaps kept (the latest): a turn's end to its conversation's next turn reaching the proxy."""
@@ -215,7 +215,7 @@ class CacheFit:
         self._waiters: deque[_Waiter] = deque()
         self._timer: asyncio.TimerHandle | None = None
         self.tokens_per_char = DEFAULT_TOKENS_PER_CHAR
-        self._calibrated = False  # tokens_per_char came from a count (calibrate), not from the default
+        self._calibrated = False  # tokens_per_char was set by a count before any answer (calibrate)
         self.learn_idle = learn_idle
         self.move_enabled = move
         self._ended: OrderedDict[str, float] = OrderedDict()  # conversation -> when its last turn ended
@@ -307,27 +307,29 @@ class CacheFit:
 
     @property
     def calibrated(self) -> bool:
-        """Whether the tokens per character come from a count of a prompt of ``CALIBRATION_MIN_CHARS`` or more (the
-        engine's usage of an answered prompt, or a tokenizer's count before any answer), not the default."""
+        """Whether the tokens per character were set by a count of a prompt before any answer (:meth:`calibrate`)."""
         return self._calibrated
 
     def calibrate(self, chars: int, tokens: int) -> None:
-        """Learn the tokens per character from one prompt of ``chars`` characters counted at ``tokens`` tokens: the
-        first count of a prompt of ``CALIBRATION_MIN_CHARS`` or more replaces the default; later counts move it by
-        a fifth of the difference (prompts differ). A shorter prompt moves it by a fifth and calibrates nothing.
+        """Set the tokens per character from one prompt of ``chars`` characters counted at ``tokens`` tokens (a
+        tokenizer's count, before the prompt is sent). Only the first count of a prompt of ``CALIBRATION_MIN_CHARS``
+        or more sets it; later ones, and shorter prompts, change nothing (the answers' usage moves it from then on,
+        :meth:`_learn`).
 
-        Why the first replaces: the default, about four characters a token, can be far off (the bench model's
-        tokenizer takes 2.7 on LoCoMo), and moved a fifth at a time the estimate took ten answers to get near;
-        meanwhile the hold's token bound (``--hold-fit``) let a burst's first requests in by the default, a third
-        more prompt tokens than the caches hold, and sent them unplanned."""
-        if chars <= 0 or tokens <= 0:
+        Why: the default, about four characters a token, can be far off (the bench model's tokenizer takes 2.7 on
+        LoCoMo), and moved a fifth of the way per answer the estimate took ten answers to get near; meanwhile the
+        hold's token bound (``--hold-fit``) let a burst's first requests in by the default, a third more prompt
+        tokens than the caches hold, and sent them unplanned."""
+        if self._calibrated or chars < CALIBRATION_MIN_CHARS or tokens <= 0:
             return
-        observed = tokens / chars
-        if not self._calibrated and chars >= CALIBRATION_MIN_CHARS:
-            self.tokens_per_char = observed
-            self._calibrated = True
-        else:
-            self.tokens_per_char += 0.2 * (observed - self.tokens_per_char)
+        self.tokens_per_char = tokens / chars
+        self._calibrated = True
+
+    def _learn(self, chars: int, prompt_tokens: int) -> None:
+        """An answered prompt of ``chars`` characters that the engine counted at ``prompt_tokens``: the tokens per
+        character move a fifth of the way to it (slowly: prompts differ)."""
+        if chars > 0:
+            self.tokens_per_char += 0.2 * (prompt_tokens / chars - self.tokens_per_char)
 
     def estimate(self, chars: int, answer_tokens: int) -> int:
         """A turn's footprint before the engine counted it: its prompt's characters and its answer's tokens."""
@@ -496,7 +498,7 @@ class CacheFit:
                 live.replica = replica  # a failover moved it
             if prompt_tokens:
                 live.footprint = prompt_tokens + max(0, answer_tokens)
-                self.calibrate(slot.chars, prompt_tokens)  # the engine's tokens per character
+                self._learn(slot.chars, prompt_tokens)  # the engine's tokens per character
             if live.in_flight == 0:
                 live.idle_since = self._clock()
                 self._ended[slot.key] = live.idle_since

@@ -223,30 +223,35 @@ class ProxyService:
         self._calibration: asyncio.Future[None] | None = None  # the one count that calibrates the estimate
 
     @property
-    def calibration_tried(self) -> bool:
-        """Whether the count that calibrates the token estimate has answered (or failed)."""
-        return self._calibration is not None and self._calibration.done()
+    def needs_calibration(self) -> bool:
+        """Whether a request should calibrate the token estimate (:meth:`calibrate_estimate`): the hold queue counts
+        tokens (``--hold-fit``: it decides on the estimate before any answer), cache-fit admission knows the caches'
+        sizes, the proxy can count (``engine_budget``), and no count has answered or failed yet. Without
+        ``--hold-fit`` the estimate is left to the answers, as before: first turns never wait for admission, so
+        nothing decides on it before an answer."""
+        fit, hold = self.fit, self.hold
+        return (hold is not None and hold.counts_tokens and fit is not None and fit.sized and not fit.calibrated
+                and self.engine_budget is not None and (self._calibration is None or not self._calibration.done()))
 
     async def calibrate_estimate(self, model: str, messages: Sequence[Mapping[str, str]], chars: int) -> None:
-        """Before cache-fit admission's tokens per character were learnt from a count (``CacheFit.calibrated``),
-        when it knows the caches' sizes (else no estimate is compared with anything), count one prompt of ``CALIBRATION_MIN_CHARS`` characters or more (``messages``, ``chars`` characters): the
-        local tokenizer when there is one, else the engine's ``/tokenize``. One count for the whole proxy:
-        requests that arrive meanwhile wait for it, at most ``CALIBRATION_WAIT_S``; a count that fails is not
-        retried (the engine's usage of the first long answered prompt calibrates instead).
+        """While :attr:`needs_calibration`, count one prompt of ``CALIBRATION_MIN_CHARS`` characters or more
+        (``messages``, ``chars`` characters) to set cache-fit admission's tokens per character, which the hold's
+        token bound uses: the local tokenizer when there is one, else the engine's ``/tokenize``. One count for the
+        whole proxy: requests that arrive meanwhile wait for it, at most ``CALIBRATION_WAIT_S``; a count that fails
+        is not retried (the answers' usage moves the estimate, as without the count).
 
         Why. The hold's token bound (``--hold-fit``) and cache-fit admission estimate a prompt's tokens from its
         characters before it is sent; until an answer came back that estimate was the default, four characters a
         token. A burst reaching a fresh proxy arrives before any answer: with the bench model's tokenizer (2.7
         characters a token) the bound let in 8 LoCoMo prompts where the caches hold 6, unplanned."""
-        fit, counter = self.fit, self.engine_budget
-        if fit is None or not fit.sized or fit.calibrated or counter is None or chars < CALIBRATION_MIN_CHARS:
+        counter, fit = self.engine_budget, self.fit
+        if not self.needs_calibration or chars < CALIBRATION_MIN_CHARS or counter is None or fit is None:
             return
         if self._calibration is None:
             self._calibration = asyncio.ensure_future(self._count_for_calibration(counter, fit, model, messages,
                                                                                   chars))
-        if not self._calibration.done():
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(asyncio.shield(self._calibration), CALIBRATION_WAIT_S)
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(asyncio.shield(self._calibration), CALIBRATION_WAIT_S)
 
     async def _count_for_calibration(self, counter: EngineBudget, fit: CacheFit, model: str,
                                      messages: Sequence[Mapping[str, str]], chars: int) -> None:

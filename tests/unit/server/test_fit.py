@@ -548,26 +548,20 @@ def test_a_waiting_turn_does_not_wake_admission_until_something_can_change() -> 
     asyncio.run(main())
 
 
-def test_the_first_count_of_a_long_prompt_replaces_the_default_estimate_later_ones_move_it() -> None:
-    fit = CacheFit([None])
-    assert not fit.calibrated and fit.tokens_per_char == 0.25
-    fit.calibrate(999, 999)  # too short to calibrate (the template's own tokens weigh): moves it a fifth
-    assert not fit.calibrated and fit.tokens_per_char == pytest.approx(0.25 + 0.2 * 0.75)
-    fit.calibrate(10_000, 3_700)  # the bench model's tokenizer on LoCoMo: 2.7 characters a token
-    assert fit.calibrated and fit.tokens_per_char == pytest.approx(0.37)
-    assert fit.estimate(15_000, 8) == 5_558
-    fit.calibrate(10_000, 4_700)
-    assert fit.tokens_per_char == pytest.approx(0.37 + 0.2 * 0.1)
-    fit.calibrate(0, 100)
-    fit.calibrate(100, 0)
-    assert fit.tokens_per_char == pytest.approx(0.39)
-
-
-def test_the_first_long_answered_prompt_calibrates_the_estimate() -> None:
+def test_the_first_count_of_a_long_prompt_sets_the_estimate_and_answers_move_it_from_there() -> None:
     async def main() -> None:
         fit = CacheFit([None], fill=1.0)
-        slot = await fit.admit("a", chars(10_000), 0, [0])  # 40,000 characters
-        slot.end(0, 20_000, 0)
-        assert fit.calibrated and fit.tokens_per_char == pytest.approx(0.5)
+        assert not fit.calibrated and fit.tokens_per_char == 0.25
+        fit.calibrate(999, 999)  # too short to say (the template's own tokens weigh): nothing changes
+        fit.calibrate(10_000, 0)
+        assert not fit.calibrated and fit.tokens_per_char == 0.25
+        fit.calibrate(10_000, 3_700)  # the bench model's tokenizer on LoCoMo: 2.7 characters a token
+        assert fit.calibrated and fit.tokens_per_char == pytest.approx(0.37)
+        assert fit.estimate(15_000, 8) == 5_558
+        fit.calibrate(10_000, 9_000)  # only the first count sets it
+        assert fit.tokens_per_char == pytest.approx(0.37)
+        slot = await fit.admit("a", 10_000, 0, [0])
+        slot.end(0, 4_700, 0)  # an answer moves it a fifth of the way
+        assert fit.tokens_per_char == pytest.approx(0.37 + 0.2 * 0.1)
 
     asyncio.run(main())

@@ -319,8 +319,8 @@ async def test_a_fresh_proxy_counts_its_first_request_to_estimate_tokens_before_
     """--hold-fit on a fresh proxy: no answer has taught the estimate yet. The first long request is counted once
     (the engine's /tokenize: the mock counts a token a byte, four times the default estimate), so the next ones,
     about 1,500 tokens each, wait behind it in a cache of 2,000 tokens. By the default (about 380 each) all five
-    would run at once; that is what happens when the count fails: reported, nothing lost, and the first answer
-    calibrates instead."""
+    would run at once; that is what happens when the count fails: reported, nothing lost, and the answers move the
+    estimate from then on."""
     proxy = held_proxy(max_in_flight=None, hold_fit=True, replica_cache_tokens=2_000)
     if not tokenizes:
         proxy.fleet.engine(0)._tokenize = lambda request: httpx.Response(404, json={"error": {"message": "no"}})
@@ -344,7 +344,17 @@ async def test_a_fresh_proxy_counts_its_first_request_to_estimate_tokens_before_
     for conversation, (_, call) in zip(proxy.sent_conversations(), proxy.fleet.calls):
         i = 0 if conversation == "first" else int(conversation[1:])
         assert check_no_loss(blocks_of(i), call["messages"]).ok
-    assert fit.calibrated  # the engine's usage of the first answered prompt, when the count failed
+    assert fit.calibrated is tokenizes and fit.tokens_per_char > 0.3  # else the answers' usage moved it
+
+
+async def test_without_the_token_bound_nothing_is_counted_before_the_answers(held_proxy):
+    """Only --hold-fit decides on the estimate before any answer; without it the answers alone move it."""
+    proxy = held_proxy(replica_cache_tokens=2_000)  # the count bound of 1, no token bound
+    proxy.transport.gate.set()
+    response = await proxy.client.post("/v1/chat/completions", json=long_body("only", 0))
+    assert response.status_code == 200
+    fit = proxy.app.state.service.fit
+    assert not fit.calibrated and 0.25 < fit.tokens_per_char < 1.0
 
 
 def blocks_of(i: int) -> list[dict[str, str]]:
