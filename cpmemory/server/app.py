@@ -42,7 +42,7 @@ from cpmemory.routing.router import Router
 from cpmemory.routing.transport import ChatTransport, HttpxChatTransport
 from cpmemory.server.budget import EngineBudget
 from cpmemory.server.config import ServerConfig
-from cpmemory.server.fit import CALIBRATION_MIN_CHARS, DEFAULT_TOKENS_PER_CHAR, FIT_HEADER, CacheFit
+from cpmemory.server.fit import DEFAULT_TOKENS_PER_CHAR, FIT_HEADER, CacheFit
 from cpmemory.server.hold import Admission, HoldQueue, unheld
 from cpmemory.server.metrics import ProxyMetrics
 from cpmemory.server.salt import CacheSalts
@@ -54,7 +54,14 @@ from cpmemory.server.schemas import (
     HealthOut,
     ReplicaHealth,
 )
-from cpmemory.server.service import ProxyService, TurnInput, TurnMemory, engine_request_id, turn_input
+from cpmemory.server.service import (
+    ProxyService,
+    TurnInput,
+    TurnMemory,
+    engine_request_id,
+    request_chars,
+    turn_input,
+)
 from cpmemory.stores.base import AsyncSessionStore
 
 try:  # the endpoint's annotations are read at runtime by FastAPI (extra ``server``; create_app checks it is there)
@@ -441,8 +448,8 @@ def _install_routes(app: Any, service: ProxyService, resolve_tenant: _TenantReso
             except InvalidInputError as error:  # rejected before it is held: nothing waits for a bad request
                 return error_response(400, "invalid_request_error", "invalid_input", str(error))
             service.arrived(tenant, turn)
-        if service.needs_calibration:
-            await calibrate(service, request, turn)
+        if service.needs_calibration:  # --hold-fit on a fresh proxy: count one request first
+            await service.calibrate_estimate(request, turn)
         admission = await admit(service, raw, tenant, turn, held_tokens(service, request, turn))
         if admission is None:  # the client went away while held: nothing was prepared or sent
             return Response(status_code=499)
@@ -499,35 +506,12 @@ async def _respond(service: ProxyService, request: ChatCompletionRequest, tenant
 
 def held_tokens(service: ProxyService, request: ChatCompletionRequest, turn: TurnInput | None) -> int:
     """A request's prompt tokens as the hold queue's token bound counts them, before it is prepared: the characters
-    of its messages and blocks at the tokens per character that cache-fit admission learnt (:func:`calibrate`;
+    of its messages and blocks at the tokens per character that cache-fit admission learnt (``calibrate_estimate``;
     else about four characters a token). 0 when the queue has no token bound."""
     if service.hold is None or not service.hold.counts_tokens:
         return 0
-    chars = _request_chars(request, turn)
+    chars = request_chars(request, turn)
     return service.fit.estimate(chars, 0) if service.fit is not None else int(chars * DEFAULT_TOKENS_PER_CHAR)
-
-
-def _request_chars(request: ChatCompletionRequest, turn: TurnInput | None) -> int:
-    chars = sum(len(str(message.content or "")) for message in request.messages)
-    if turn is not None:
-        chars += sum(len(block.text) for block in turn.blocks)
-    return chars
-
-
-async def calibrate(service: ProxyService, request: ChatCompletionRequest, turn: TurnInput | None) -> None:
-    """Calibrate the token estimate on this request (``ProxyService.calibrate_estimate``) while no count has: its
-    messages, its blocks' texts added to the last one (roles stay as the chat template expects them)."""
-    chars = _request_chars(request, turn)
-    if chars < CALIBRATION_MIN_CHARS:
-        return
-    messages = [{"role": message.role, "content": str(message.content or "")} for message in request.messages]
-    if turn is not None and turn.blocks:
-        texts = "\n\n".join(block.text for block in turn.blocks)
-        if messages:
-            messages[-1]["content"] = f"{texts}\n\n{messages[-1]['content']}"
-        else:
-            messages.append({"role": "user", "content": texts})
-    await service.calibrate_estimate(request.model, messages, chars)
 
 
 async def admit(service: ProxyService, raw: Any, tenant: str, turn: TurnInput | None,

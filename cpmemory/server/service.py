@@ -169,6 +169,14 @@ def message_text(message: ChatMessage) -> str:
     return "\n".join(texts)
 
 
+def request_chars(request: ChatCompletionRequest, turn: TurnInput | None) -> int:
+    """Characters of a request's messages and blocks, before it is prepared (what the token estimate counts)."""
+    chars = sum(len(str(message.content or "")) for message in request.messages)
+    if turn is not None:
+        chars += sum(len(block.text) for block in turn.blocks)
+    return chars
+
+
 def turn_input(request: ChatCompletionRequest, header_conversation: str | None) -> TurnInput:
     """Split a chat request into system prompt, history and query for ``prepare``. Pure.
 
@@ -233,10 +241,10 @@ class ProxyService:
         return (hold is not None and hold.counts_tokens and fit is not None and fit.sized and not fit.calibrated
                 and self.engine_budget is not None and (self._calibration is None or not self._calibration.done()))
 
-    async def calibrate_estimate(self, model: str, messages: Sequence[Mapping[str, str]], chars: int) -> None:
-        """While :attr:`needs_calibration`, count one prompt of ``CALIBRATION_MIN_CHARS`` characters or more
-        (``messages``, ``chars`` characters) to set cache-fit admission's tokens per character, which the hold's
-        token bound uses: the local tokenizer when there is one, else the engine's ``/tokenize``. One count for the
+    async def calibrate_estimate(self, request: ChatCompletionRequest, turn: TurnInput | None) -> None:
+        """While :attr:`needs_calibration`, count one request of ``CALIBRATION_MIN_CHARS`` characters or more (its
+        messages, its blocks' texts added to the last one, so roles stay as the chat template expects them) to set
+        cache-fit admission's tokens per character, which the hold's token bound uses: the local tokenizer when there is one, else the engine's ``/tokenize``. One count for the
         whole proxy: requests that arrive meanwhile wait for it, at most ``CALIBRATION_WAIT_S``; a count that fails
         is not retried (the answers' usage moves the estimate, as without the count).
 
@@ -245,11 +253,21 @@ class ProxyService:
         token. A burst reaching a fresh proxy arrives before any answer: with the bench model's tokenizer (2.7
         characters a token) the bound let in 8 LoCoMo prompts where the caches hold 6, unplanned."""
         counter, fit = self.engine_budget, self.fit
-        if not self.needs_calibration or chars < CALIBRATION_MIN_CHARS or counter is None or fit is None:
+        if not self.needs_calibration or counter is None or fit is None:
+            return
+        chars = request_chars(request, turn)
+        if chars < CALIBRATION_MIN_CHARS:
             return
         if self._calibration is None:
-            self._calibration = asyncio.ensure_future(self._count_for_calibration(counter, fit, model, messages,
-                                                                                  chars))
+            messages = [{"role": message.role, "content": str(message.content or "")} for message in request.messages]
+            if turn is not None and turn.blocks:
+                texts = "\n\n".join(block.text for block in turn.blocks)
+                if messages:
+                    messages[-1]["content"] = f"{texts}\n\n{messages[-1]['content']}"
+                else:
+                    messages.append({"role": "user", "content": texts})
+            self._calibration = asyncio.ensure_future(self._count_for_calibration(counter, fit, request.model,
+                                                                                  messages, chars))
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(asyncio.shield(self._calibration), CALIBRATION_WAIT_S)
 
