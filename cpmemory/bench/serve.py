@@ -52,14 +52,15 @@ DEFAULT_CALIBRATE_REQUESTS = 48
 @contextlib.asynccontextmanager
 async def in_process_proxy(settings: ServeSettings, cache_tokens: int | None = None, fit: bool = True,
                            fit_move: bool = True, hold_split: bool = True,
-                           hold: bool = True) -> AsyncIterator[tuple[str, Any]]:
+                           hold: bool = True, pick: bool = True) -> AsyncIterator[tuple[str, Any]]:
     """Serve a ``cpmemory serve`` app on a free loopback port in this event loop; yields (URL, recording transport).
 
     The proxy gets the engines (and ``upstream``, ``kv_events``) of ``settings``; without KV events its router's view
     of what each replica caches assumes ``cache_tokens`` per replica (the engines' own KV cache size when known);
     ``fit``: cache-fit admission on (the proxy's default) or off; ``fit_move``: its moves of a conversation that no
     longer fits its replica (on by default); ``hold_split``: the hold queue's split of a window over the replicas;
-    ``hold``: False leaves the hold queue off whatever ``settings.max_in_flight`` and ``hold_fit`` say.
+    ``hold``: False leaves the hold queue off whatever ``settings.max_in_flight`` and ``hold_fit`` say; ``pick``:
+    False has it release whole windows whatever ``settings.hold_pick`` says.
     """
     import uvicorn
 
@@ -74,7 +75,7 @@ async def in_process_proxy(settings: ServeSettings, cache_tokens: int | None = N
                           **({"max_in_flight": settings.max_in_flight} if settings.max_in_flight and hold else {}),
                           hold_fit=settings.hold_fit and hold,
                           **({"hold_ms": settings.hold_ms} if settings.hold_ms is not None and hold else {}),
-                          hold_split=hold_split,
+                          hold_split=hold_split, hold_pick=settings.hold_pick and hold and pick,
                           tokenizer=settings.tokenizer, cache_salt=settings.cache_salt,
                           engine_priority=settings.engine_priority,
                           upstream_session=settings.upstream_session and settings.upstream is not None,
@@ -125,7 +126,7 @@ async def strategy_client(name: str, settings: ServeSettings, system_prompt: str
         return
     async with in_process_proxy(settings, cache_tokens, fit=name != "cpmemory-nofit",
                                 fit_move=name != "cpmemory-nomove", hold_split=name != "cpmemory-nosplit",
-                                hold=name != "cpmemory-nohold") as (url, recording):
+                                hold=name != "cpmemory-nohold", pick=name != "cpmemory-nopick") as (url, recording):
         client = ProxyClient(url, model=settings.model, max_tokens=settings.max_tokens,
                              timeout_s=settings.timeout_s, recording=recording)
         try:
@@ -383,6 +384,9 @@ def command(
              "--max-in-flight; default off)."),
     hold_fit: bool = typer.Option(False, "--hold-fit", help="The in-process proxy's hold queue with its token bound: "
                                   "it holds while the requests in flight fill the replicas' caches (serve --hold-fit)."),
+    hold_pick: bool = typer.Option(False, "--hold-pick", help="The in-process proxy's hold queue picks one held "
+                                   "request per free replica, the one it caches most of (serve --hold-pick; needs "
+                                   "--max-in-flight or --hold-fit)."),
     hold_ms: float | None = typer.Option(None, "--hold-ms", min=0.0,
                                          help="The hold queue's longest wait (serve --hold-ms; default 5)."),
     engine_priority: bool = typer.Option(
@@ -410,7 +414,7 @@ def command(
     max_tokens: int = typer.Option(8, "--max-tokens", min=1, help="Tokens generated per request."),
     timeout: float = typer.Option(300.0, "--timeout", min=0.1, help="Deadline of one request (s)."),
     engine_timeout: float = typer.Option(120.0, "--engine-timeout", min=0.1, help="Per-call engine timeout (s)."),
-    strategies: str = typer.Option(",".join(STRATEGIES), "--strategies", help="Comma-separated, in run order (original, cpmemory, cpmemory-nofit: the proxy without cache-fit admission, cpmemory-nomove: without its moves; cpmemory-nosplit: the hold queue without its split over replicas; cpmemory-nohold: the proxy without the hold queue of --max-in-flight or --hold-fit; original-priority: original with vLLM priorities by new prompt length)."),
+    strategies: str = typer.Option(",".join(STRATEGIES), "--strategies", help="Comma-separated, in run order (original, cpmemory, cpmemory-nofit: the proxy without cache-fit admission, cpmemory-nomove: without its moves; cpmemory-nosplit: the hold queue without its split over replicas; cpmemory-nohold: the proxy without the hold queue of --max-in-flight or --hold-fit; cpmemory-nopick: the hold queue releasing whole windows instead of --hold-pick's pick; original-priority: original with vLLM priorities by new prompt length)."),
     model: str = typer.Option("tiny", "--model", help="Served model name."),
     multi_turn: bool | None = typer.Option(None, "--multi-turn/--independent", help="Override the trace's flag."),
     seed: int = typer.Option(0, "--seed", help="Seed of the Poisson arrivals."),
@@ -433,7 +437,8 @@ def command(
         trace = _load(trace_file, workload, data_dir, multi_turn)
         settings = ServeSettings(
             engines=tuple(engine), upstream=upstream, proxy=proxy, kv_events=tuple(kv_events or ()), tokenizer=tokenizer,
-            fit_fill=fit_fill, max_in_flight=max_in_flight, hold_fit=hold_fit, hold_ms=hold_ms, engine_priority=engine_priority,
+            fit_fill=fit_fill, max_in_flight=max_in_flight, hold_fit=hold_fit, hold_pick=hold_pick, hold_ms=hold_ms,
+            engine_priority=engine_priority,
             cache_salt=cache_salt, upstream_session=upstream_session, original_routing=original_routing,
             concurrency=concurrency, rate=min(rate) if rate else None, requests=requests, max_turns=max_turns, max_tokens=max_tokens,
             timeout_s=timeout, engine_timeout_s=engine_timeout, model=model, seed=seed, rounds=rounds,

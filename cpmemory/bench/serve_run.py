@@ -31,13 +31,14 @@ from cpmemory.bench.trace import Trace, TraceRequest
 from cpmemory.errors import InvalidInputError
 
 STRATEGIES = ("original", "cpmemory")
-PROXY_ABLATIONS = ("cpmemory-nofit", "cpmemory-nomove", "cpmemory-nosplit", "cpmemory-nohold")
+PROXY_ABLATIONS = ("cpmemory-nofit", "cpmemory-nomove", "cpmemory-nosplit", "cpmemory-nohold", "cpmemory-nopick")
 """Strategies that start their own in-process proxy with one part of it off (never with ``--proxy``)."""
 KNOWN_STRATEGIES = (*STRATEGIES, *PROXY_ABLATIONS, "original-priority")
 """``cpmemory-nofit``: the in-process proxy with cache-fit admission off (cpmemory.server.fit); ``cpmemory-nomove``:
 admission on without its moves (``CacheFit`` ``move``); ``cpmemory-nosplit``: the hold queue without its split of a
 window over the replicas (``ServerConfig.hold_split``); ``cpmemory-nohold``: the proxy without the hold queue that
-``--max-in-flight`` or ``--hold-fit`` turns on for the others (nothing held); ``original-priority``: ``original`` whose requests carry
+``--max-in-flight`` or ``--hold-fit`` turns on for the others (nothing held); ``cpmemory-nopick``: the hold queue
+releasing whole windows where ``--hold-pick`` has the others pick one request per free replica; ``original-priority``: ``original`` whose requests carry
 vLLM's ``priority`` by the same rule as the proxy's ``--engine-priority`` without a view of the caches (the tokens
 after the conversation's last answer: shortest new prompt first); all for ablations."""
 FIGURES = ("ttft_mean_ms", "ttft_p50_ms", "ttft_p90_ms", "latency_mean_ms", "throughput_rps", "prompt_tokens_per_s",
@@ -61,6 +62,7 @@ class ServeSettings(BaseModel):
     fit_fill: float | None = Field(None, gt=0, le=1, description="the in-process proxy's --fit-fill (None: its default)")
     max_in_flight: int | None = Field(None, ge=1, description="the in-process proxy's --max-in-flight (hold queue)")
     hold_fit: bool = Field(False, description="the in-process proxy's --hold-fit (hold queue, token bound)")
+    hold_pick: bool = Field(False, description="the in-process proxy's --hold-pick (one held request per free replica)")
     engine_priority: bool = Field(False, description="the in-process proxy's --engine-priority")
     hold_ms: float | None = Field(None, ge=0, description="the in-process proxy's --hold-ms (with max_in_flight or hold_fit)")
     concurrency: int = Field(8, ge=1, le=4096)
@@ -399,5 +401,9 @@ def validate(settings: ServeSettings) -> None:
                                        or settings.hold_ms is not None):
         raise InvalidInputError("--max-in-flight, --hold-fit and --hold-ms set the in-process proxy: give them to the "
                                 "running proxy (serve --max-in-flight --hold-fit --hold-ms)")
+    if settings.hold_pick and (settings.proxy is not None or settings.upstream is not None
+                               or (settings.max_in_flight is None and not settings.hold_fit)):
+        raise InvalidInputError("--hold-pick sets the in-process proxy's hold queue on its own replicas: it needs "
+                                "--max-in-flight or --hold-fit, and no --proxy or --upstream")
     if settings.hold_ms is not None and settings.max_in_flight is None and not settings.hold_fit:
         raise InvalidInputError("--hold-ms needs --max-in-flight or --hold-fit (the hold queue is off without them)")

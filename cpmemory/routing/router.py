@@ -351,6 +351,10 @@ class Router:
         """Number of replicas in rotation."""
         return sum(1 for state in self._replicas if state.healthy)
 
+    def healthy_indices(self) -> list[int]:
+        """The indices (configuration order) of the replicas in rotation."""
+        return [index for index, state in enumerate(self._replicas) if state.healthy]
+
     async def probe(self, is_healthy: Callable[[str], Awaitable[bool]]) -> list[str]:
         """Run ``is_healthy`` on every down replica; bring back those that answer True. Returns their URLs.
 

@@ -45,6 +45,7 @@ from cpmemory.server.config import ServerConfig
 from cpmemory.server.fit import DEFAULT_TOKENS_PER_CHAR, FIT_HEADER, CacheFit
 from cpmemory.server.hold import Admission, HoldQueue, unheld
 from cpmemory.server.metrics import ProxyMetrics
+from cpmemory.server.pick import SentOrders
 from cpmemory.server.salt import CacheSalts
 from cpmemory.server.schemas import (
     ChatCompletionRequest,
@@ -167,8 +168,10 @@ def create_app(
                        "docs/server.md)", config.upstream, len(config.engines))
     service.fit = build_fit(config, metrics)
     service.gateway_replicas = len(config.engines) if config.attributes_gateway else 0
+    service.sent_orders = build_sent_orders(config, service)
     service.hold = build_hold(config, service.memory, router, metrics,
-                              cache_tokens=lambda: fleet_cache_tokens(config, service.fit))
+                              cache_tokens=lambda: fleet_cache_tokens(config, service.fit),
+                              sent_orders=service.sent_orders)
     tokenizer = build_tokenizer(config)
     metrics.local_tokenizer.set(1 if tokenizer is not None else 0)
     http_client = getattr(dispatcher.transport, "client", None)
@@ -228,14 +231,16 @@ def create_app(
 
 
 def build_hold(config: ServerConfig, memory: TurnMemory, router: Router, metrics: ProxyMetrics,
-               cache_tokens: Callable[[], int | None] | None = None) -> HoldQueue | None:
+               cache_tokens: Callable[[], int | None] | None = None,
+               sent_orders: SentOrders | None = None) -> HoldQueue | None:
     """The hold-and-release queue when ``max_in_flight`` or ``hold_fit`` is set (with ``hold_fit`` the requests in
     flight may take at most ``cache_tokens()`` estimated prompt tokens together; no token bound while that is
     unknown): the facade's ``release_plan`` plans each window
     (``release_order`` with ``hold_split`` off, behind a gateway unless each lane can be named to it as a session,
     or where a memory has no ``release_plan``; neither: first come first served), told ``cache_tokens()`` (what the
     fleet's KV caches hold, when known: a window that outgrows it is planned as a batch and split over the healthy
-    replicas, or the gateway's); the bound scales with the healthy replicas."""
+    replicas, or the gateway's); the bound scales with the healthy replicas. With ``sent_orders`` (``hold_pick``)
+    a replica with room picks one held request at a time by that view."""
     if config.max_in_flight is None and not config.hold_fit:
         return None
     # behind a gateway a lane can only be named as a session (its replicas known from their KV events); reordering
@@ -255,8 +260,25 @@ def build_hold(config: ServerConfig, memory: TurnMemory, router: Router, metrics
             if size is None:
                 return release_order(requests, tenant=tenant)  # type: ignore[no-any-return]
             return release_order(requests, tenant=tenant, cache_tokens=size)  # type: ignore[no-any-return]
+    pick = None if sent_orders is None or planner is None else sent_orders.cached
     return HoldQueue(config.max_in_flight, config.hold_ms / 1000.0, replicas=router.healthy_count,
-                     token_budget=cache_tokens if config.hold_fit else None, planner=planner, observer=metrics)
+                     token_budget=cache_tokens if config.hold_fit else None, planner=planner, observer=metrics,
+                     pick=pick, healthy=router.healthy_indices)
+
+
+def build_sent_orders(config: ServerConfig, service: ProxyService) -> SentOrders | None:
+    """The view of the block orders sent to each replica that ``hold_pick`` picks by, bounded by each replica's KV
+    cache in characters (cache-fit admission's sizes and tokens per character; unbounded while unknown)."""
+    if not config.hold_pick:
+        return None
+
+    def capacity(replica: int) -> float | None:
+        fit = service.fit
+        if fit is None or not 0 <= replica < len(fit.capacities) or fit.capacities[replica] is None:
+            return None
+        return fit.capacities[replica] / max(fit.tokens_per_char, 1e-6)  # type: ignore[operator]
+
+    return SentOrders(capacity)
 
 
 def fleet_cache_tokens(config: ServerConfig, fit: CacheFit | None) -> int | None:

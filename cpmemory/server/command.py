@@ -117,6 +117,11 @@ def command(
         _FIELDS["hold_split"].default, "--hold-split/--no-hold-split",
         help="Split a held window that outgrows the replicas' caches over them: one run of the planned order per "
         "replica, even in prefill work, each in shortest-mean-work order (with --max-in-flight)."),
+    hold_pick: bool = typer.Option(
+        _FIELDS["hold_pick"].default, "--hold-pick/--no-hold-pick",
+        help="Instead of releasing every held request at once, a replica with room takes one held request at a time: "
+        "the one whose planned block order finds the longest prefix in what the proxy sent it (with --max-in-flight "
+        "or --hold-fit; not with --upstream)."),
     fit: bool = typer.Option(
         _FIELDS["fit"].default, "--fit/--no-fit",
         help="Cache-fit admission: a replica takes a new conversation only while the conversations it serves fit its "
@@ -170,7 +175,7 @@ def command(
             engine_timeout_s=engine_timeout, kv_events=kv_events, tokenizer=tokenizer,
             upstream=upstream, router=RouterConfig(policy=router_policy),  # type: ignore[arg-type]
             replica_cache_tokens=replica_cache_tokens, max_in_flight=max_in_flight, hold_fit=hold_fit, hold_ms=hold_ms,
-            hold_split=hold_split,
+            hold_split=hold_split, hold_pick=hold_pick,
             fit=fit, fit_fill=fit_fill, fit_max_wait_s=fit_max_wait, fit_idle_ms=fit_idle_ms, fit_learn_idle=fit_learn_idle, fit_move=fit_move,
             engine_priority=engine_priority,
         )

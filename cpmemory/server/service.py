@@ -54,6 +54,7 @@ from cpmemory.server.budget import MAX_REPLANS, EngineBudget, EngineLimits, requ
 from cpmemory.server.fit import CALIBRATION_MIN_CHARS, UNGATED, CacheFit, FitSlot
 from cpmemory.server.hold import Admission, HoldQueue
 from cpmemory.server.metrics import ProxyMetrics
+from cpmemory.server.pick import SentOrders
 from cpmemory.server.salt import CacheSalts
 from cpmemory.server.schemas import ChatCompletionRequest, ChatMessage
 from cpmemory.server.sse import SseCollector
@@ -226,6 +227,7 @@ class ProxyService:
         self.answer_reserve_tokens = 1024  # answer tokens reserved when a request gives no max_tokens
         self.hold: HoldQueue | None = None  # the hold-and-release queue, when max_in_flight or hold_fit is set
         self.fit: CacheFit | None = None  # cache-fit admission, when the replicas' cache sizes are known (create_app)
+        self.sent_orders: SentOrders | None = None  # the block orders sent to each replica (hold_pick)
         self.gateway_replicas = 0  # behind a gateway: the replicas whose KV events tell where a conversation went
         self._served_on: OrderedDict[str, int] = OrderedDict()  # conversation key -> the replica that served it
         self._calibration: asyncio.Future[None] | None = None  # the one count that calibrates the estimate
@@ -465,6 +467,7 @@ class ProxyService:
                                          placed=self.lane_placed(admission, has_history(turn, prepared)))
             hint = self.lane_hint(admission, key, hint)
             slot, hint = await self.place(key, payload, hint, request)
+            self.record_sent(hint.replica, turn, prepared)
             result = await self.dispatcher.complete(key, payload, request_headers(request_id), hint)
         except BaseException as error:
             slot.end()
@@ -472,6 +475,8 @@ class ProxyService:
             if isinstance(error, EngineError):
                 self.metrics.requests.labels(replica="none", outcome="engine_error").inc()
             raise
+        if hint.replica is None or hint.replica != result.decision.index:
+            self.record_sent(result.decision.index, turn, prepared)
         slot.end(None if self.upstream else result.decision.index, *answer_usage(result.response.get("usage")))
         self._learn_tokens(payload.get("model"), prepared, result.response.get("usage"))
         committed = await self.commit(prepared, response_text(result.response))
@@ -503,8 +508,20 @@ class ProxyService:
             slot.end()
             await self.abort(prepared)
             raise
+        self.record_sent(opened.decision.index, turn, prepared)
         return OpenedStream(opened, payload.strip_usage, fit=slot,
                             registration=_Registration(key, request_id, payload.body, tenant, hint, self.upstream))
+
+    def record_sent(self, replica: int | None, turn: TurnInput, prepared: PreparedTurn) -> None:
+        """Note in the view ``hold_pick`` picks by (``sent_orders``) the block order of a prompt sent to
+        ``replica``, when the prompt opens its conversation (its blocks follow the system prompt, so their order is
+        a prefix the engine caches). Nothing behind a gateway, for a degraded turn or with the view off."""
+        view = self.sent_orders
+        if view is None or replica is None or self.upstream or prepared.degraded or not prepared.opens_conversation:
+            return
+        by_id = {block.id: block for block in turn.blocks}
+        shown = [by_id[block_id] for block_id in prepared.prompt_order if block_id in by_id]
+        view.record(replica, [block.content_hash for block in shown], [len(block.text) + 1 for block in shown])
 
     def arrived(self, tenant: str, turn: TurnInput) -> None:
         """A turn reached the proxy (before it is held and prepared): cache-fit admission keeps its conversation's

@@ -101,8 +101,9 @@ class TenantIndexes:
         :meth:`release_order`."""
         schedule, orders = self._plan_window(tenant, contexts, sizes, capacity)
         count = len(contexts)
+        planned = tuple(tuple(order) for order in orders)
         if not window_outgrows(sizes, capacity):
-            return ReleasePlan(tuple(schedule), (None,) * count)
+            return ReleasePlan(tuple(schedule), (None,) * count, planned)
         filled = [position for position in schedule if contexts[position]]
         weights = {key: size for keys, sized in zip(contexts, sizes) for key, size in zip(keys, sized)}
         with self._lock:
@@ -114,7 +115,7 @@ class TenantIndexes:
                 lane_of[filled[index]] = lane
         order = [filled[index] for index in interleave(runs)]
         order += [position for position in schedule if not contexts[position]]
-        return ReleasePlan(tuple(order), tuple(lane_of))
+        return ReleasePlan(tuple(order), tuple(lane_of), planned)
 
     def _plan_window(
         self, tenant: str, contexts: Sequence[Sequence[Hashable]], sizes: Sequence[Sequence[float]],

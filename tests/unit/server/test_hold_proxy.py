@@ -511,3 +511,41 @@ async def test_behind_a_gateway_each_lane_of_a_split_window_is_named_as_its_own_
     finally:
         await client.aclose()
         await transport.aclose()
+
+
+async def test_with_the_pick_each_free_replica_takes_the_held_requests_whose_blocks_it_was_sent(held_proxy):
+    proxy = held_proxy(replicas=2, hold_pick=True, fit=False)
+    proxy.transport.gated = 2  # both replicas stay busy until the window is held
+    busy = []
+    for n, cluster in enumerate("ab"):  # busy0 sends cluster a's blocks to one replica, busy1 cluster b's
+        busy.append(proxy.post(cluster_body(f"busy{n}", cluster, 99)))
+        await proxy.until(lambda n=n: proxy.transport.calls == n + 1)
+    names = [(f"{cluster}{n}", cluster, n) for n in range(3) for cluster in "ba"]  # mixed, b first
+    held = []
+    for count, (name, cluster, n) in enumerate(names, 1):
+        held.append(proxy.post(cluster_body(name, cluster, n)))
+        await proxy.until(lambda count=count: proxy.hold.waiting == count)
+    proxy.transport.gate.set()
+    responses = await asyncio.gather(*busy, *held)
+    assert [response.status_code for response in responses] == [200] * len(responses)
+    infos = {response.json()["cpmemory"]["conversation_id"]: response.json()["cpmemory"] for response in responses}
+    assert infos["busy0"]["replica"] != infos["busy1"]["replica"]
+    for name, cluster, _ in names:  # each went where its cluster's blocks were sent, picked there
+        assert infos[name]["replica"] == infos[f"busy{'ab'.index(cluster)}"]["replica"], name
+        assert infos[name]["route_reason"] == "lane"
+    by_name = {call["messages"][-1]["content"].rsplit("Question of ", 1)[1].rstrip("?"): call
+               for _, call in proxy.fleet.calls}
+    for name, cluster, n in names:
+        body_blocks = cluster_body(name, cluster, n)["cpmemory"]["blocks"]
+        assert check_no_loss([Block(b["id"], b["text"]) for b in body_blocks], by_name[name]["messages"]).ok
+    assert proxy.hold.admitted == 0 and proxy.hold.waiting == 0
+    held_total = await proxy.metric("cpmemory_hold_held_total")
+    assert held_total == {"cpmemory_hold_held_total": len(names)}
+
+
+def test_the_pick_needs_the_hold_queue_and_the_proxy_s_own_replicas():
+    with pytest.raises(ValueError, match="hold_pick"):
+        ServerConfig(engines=["http://a"], hold_pick=True)
+    with pytest.raises(ValueError, match="hold_pick"):
+        ServerConfig(engines=["http://a"], upstream="http://gw", hold_pick=True, max_in_flight=1)
+    assert ServerConfig(engines=["http://a"], hold_pick=True, hold_fit=True).hold_pick
