@@ -52,7 +52,20 @@ takes the router's choice among the replicas no other lane of its release holds,
 to that replica. Left to the router one by one, a burst of 64 LoCoMo questions went 41 / 23 to two replicas (its
 prefix scores follow each unit's first call and its load bound counts calls, not work). Behind a gateway that keeps
 a named session on one replica (``upstream_session``, with the replicas' KV events naming how many there are), each
-lane is named to it as a session of its own instead. Use from one event loop.
+lane is named to it as a session of its own instead.
+
+**Pick per free replica** (``pick``, ``--hold-pick``): instead of handing out the whole window, a replica with room
+(``max_in_flight`` a replica, and its share of ``token_budget``) takes *one* held request, the one whose planned
+block order finds the longest prefix in what the proxy sent that replica (``pick(replica, order)``,
+:class:`~cpmemory.server.pick.SentOrders`); ties go to the plan lane that replica already runs, then to the plans'
+order. Requests held since the last plan are planned together (their block orders, lanes and order) when a replica
+has room, so arrivals join one plan until then. Each picked request carries a lane map that names its replica, so
+the service sends it there. A request held ``hold_s`` goes first, oldest first, to the next replica with room (an
+engine's queue would keep it no shorter; to the router at once when no replica is in rotation).
+Why: a window released whole queues in the engines in the order planned at its release and the arrivals meanwhile
+wait for the next window; picked one at a time, a request is placed when its replica can run it, against what that
+replica just computed, with every arrival so far among the choices (``scripts/hold_model.py``). Use from one event
+loop.
 """
 from __future__ import annotations
 
@@ -63,7 +76,7 @@ import uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import Literal, Protocol
 
 from cpmemory.core.blocks import Block
 from cpmemory.core.scheduling import ReleasePlan
@@ -237,6 +250,7 @@ class _Held:
     order: tuple[Hashable, ...] | None = None  # its planned block order (pick: set when first planned)
     rank: int = 0  # its place in the plans' order (pick)
     lane: tuple[int, int] | None = None  # (its plan, its lane there) when the plan split its window (pick)
+    overdue: bool = False  # it waited hold_s (pick: it goes first to the next replica with room)
 
 
 PickView = Callable[[int, Sequence[Hashable]], float]
@@ -426,7 +440,7 @@ class HoldQueue:
         self._plan_fresh([entry for entry in live if entry.order is None])
         loop = asyncio.get_running_loop()
         while self._held:
-            best: tuple[tuple[float, int, int], int, int] | None = None
+            best: tuple[tuple[int, float, int, int], int, int] | None = None
             for position, entry in enumerate(self._held):
                 if entry.future.done():
                     continue  # cancelled: its waiter removes it
@@ -435,7 +449,10 @@ class HoldQueue:
                         continue
                     claim = None if entry.lane is None else self._claims.get(entry.lane)
                     fit = 2 if claim == replica else int(claim is None)
-                    score = (self._pick_view(replica, entry.order or ()), fit, -entry.rank)
+                    if entry.overdue:  # waited hold_s: the oldest first, wherever there is room
+                        score = (1, -entry.arrived, fit, -entry.rank)
+                    else:
+                        score = (0, self._pick_view(replica, entry.order or ()), fit, -entry.rank)
                     if best is None or score > best[0]:
                         best = (score, position, replica)
             if best is None:
@@ -453,12 +470,12 @@ class HoldQueue:
             counts = self._on.setdefault(replica, [0, 0])
             counts[0] += 1
             counts[1] += entry.tokens
-            reason: AdmissionReason = "immediate" if entry is arriving else "slot"
+            reason: AdmissionReason = "immediate" if entry is arriving else "timeout" if entry.overdue else "slot"
             entry.future.set_result(self._admit_one(Admission(reason, waited, 0, 0, lanes, self,
                                                               _tokens=entry.tokens, _replica=replica)))
-            if reason == "slot":
+            if reason != "immediate":
                 self._observer.released(reason, "planner", [waited])
-        if not any(not entry.future.done() for entry in self._held):
+        if not any(not entry.future.done() and not entry.overdue for entry in self._held):
             self._cancel_timer()
 
     def _plan_fresh(self, fresh: list[_Held]) -> None:
@@ -472,7 +489,7 @@ class HoldQueue:
                 entry.order, entry.rank = (), self._next_rank()
         for tenant, entries in groups.items():
             self._plans += 1
-            plan = self._plan(tenant, [entry.blocks for entry in entries], orders=True)
+            plan = self._plan(tenant, [entry.blocks for entry in entries])
             if plan is None:
                 for entry in entries:
                     entry.order = tuple(block.content_hash for block in entry.blocks)
@@ -491,8 +508,9 @@ class HoldQueue:
         return self._ranks
 
     def _expire(self) -> None:
-        """The oldest held request waited ``hold_s``: release every held request (the window), or with ``pick`` only
-        those that waited that long, to the router's choice, and wait for the next oldest."""
+        """The oldest held request waited ``hold_s``: release every held request (the window). With ``pick``, those
+        that waited that long go first to the next replica with room, oldest first (to the router's choice at once
+        when no replica is in rotation: it reports that); then wait for the next oldest."""
         self._timer = None
         if not self.picks:
             self._release("timeout")
@@ -500,16 +518,21 @@ class HoldQueue:
         loop = asyncio.get_running_loop()
         now = loop.time()
         live = [entry for entry in self._held if not entry.future.done()]
-        expired = [entry for entry in live if now - entry.arrived >= self.hold_s - 1e-3]
-        self._held = [entry for entry in live if entry not in expired]
-        for entry in expired:
-            entry.future.set_result(self._admit_one(Admission("timeout", now - entry.arrived, _queue=self,
-                                                              _tokens=entry.tokens)))
-        if expired:
-            self._observer.released("timeout", "fcfs", [now - entry.arrived for entry in expired])
-        if self._held:
-            oldest = min(entry.arrived for entry in self._held)
-            self._timer = loop.call_later(max(0.0, oldest + self.hold_s - now), self._expire)
+        for entry in live:
+            entry.overdue = entry.overdue or now - entry.arrived >= self.hold_s - 1e-3
+        if not self._healthy():
+            expired = [entry for entry in live if entry.overdue]
+            self._held = [entry for entry in live if not entry.overdue]
+            for entry in expired:
+                entry.future.set_result(self._admit_one(Admission("timeout", now - entry.arrived, _queue=self,
+                                                                  _tokens=entry.tokens)))
+            if expired:
+                self._observer.released("timeout", "fcfs", [now - entry.arrived for entry in expired])
+        else:
+            self._pick()
+        waiting = [entry.arrived for entry in self._held if not entry.future.done() and not entry.overdue]
+        if waiting:
+            self._timer = loop.call_later(max(0.0, min(waiting) + self.hold_s - now), self._expire)
 
     def _cancel_timer(self) -> None:
         if self._timer is not None:
@@ -562,7 +585,7 @@ class HoldQueue:
             if plan is None:
                 failed = True
                 continue
-            permutation, plan_lanes = plan
+            permutation, plan_lanes, _ = plan
             for slot, chosen in zip(positions, permutation):
                 order[slot] = positions[chosen]
             if any(lane is not None for lane in plan_lanes):
@@ -573,9 +596,10 @@ class HoldQueue:
             planned = True
         return order, planned and not failed, lanes
 
-    def _plan(self, tenant: str, requests: list[tuple[Block, ...]], orders: bool = False) -> Any:
-        """The planner's permutation and lanes (None each when it gave a plain order), and with ``orders`` its
-        block orders too (empty when it gave none); None when it failed."""
+    def _plan(self, tenant: str, requests: list[tuple[Block, ...]]
+              ) -> tuple[list[int], Sequence[int | None], Sequence[Sequence[Hashable]]] | None:
+        """The planner's permutation, lanes (None each when it gave a plain order) and block orders (empty when it
+        gave none); None when it failed."""
         assert self._planner is not None
         planned: Sequence[Sequence[Hashable]] = ()
         try:
@@ -593,5 +617,5 @@ class HoldQueue:
             logger.warning("hold queue: the planner returned no permutation; releasing in arrival order")
             self._observer.planner_failed()
             return None
-        return (permutation, lanes, planned) if orders else (permutation, lanes)
+        return permutation, lanes, planned
 
