@@ -227,6 +227,13 @@ class Admission:
         finally:
             self.sent()
 
+    def placed(self, replica: int) -> None:
+        """The request was routed to ``replica``: a pick counts it there from now on (a turn whose conversation
+        lives on another replica goes there, whatever replica picked it). Nothing for other admissions."""
+        if self._queue is not None and self._replica is not None and replica != self._replica:
+            self._queue._move(self._replica, replica, self._tokens)
+            self._replica = replica
+
     def done(self) -> None:
         """The request's engine call ended (or it will not be sent): give its slot back. Idempotent."""
         self.sent()
@@ -406,6 +413,16 @@ class HoldQueue:
             self._pick()
         elif self._held and not self._full(0):
             self._release("slot")
+
+    def _move(self, old: int, new: int, tokens: int) -> None:
+        """A picked request runs on ``new``, not on ``old`` where it was counted."""
+        if old in self._on:
+            counts = self._on[old]
+            counts[0], counts[1] = max(0, counts[0] - 1), max(0, counts[1] - tokens)
+        counts = self._on.setdefault(new, [0, 0])
+        counts[0] += 1
+        counts[1] += tokens
+        self._pick()
 
     def _room(self, replica: int, tokens: int) -> bool:
         """Whether ``replica`` may take one more request of ``tokens``: it runs none of the pick's, or fewer than

@@ -468,6 +468,8 @@ class ProxyService:
             hint = self.lane_hint(admission, key, hint)
             slot, hint = await self.place(key, payload, hint, request)
             self.record_sent(hint.replica, turn, prepared)
+            if admission is not None and hint.replica is not None and not self.upstream:
+                admission.placed(hint.replica)
             result = await self.dispatcher.complete(key, payload, request_headers(request_id), hint)
         except BaseException as error:
             slot.end()
@@ -509,6 +511,8 @@ class ProxyService:
             await self.abort(prepared)
             raise
         self.record_sent(opened.decision.index, turn, prepared)
+        if admission is not None and not self.upstream:
+            admission.placed(opened.decision.index)
         return OpenedStream(opened, payload.strip_usage, fit=slot,
                             registration=_Registration(key, request_id, payload.body, tenant, hint, self.upstream))
 

@@ -215,3 +215,19 @@ async def test_a_plan_gives_each_held_request_its_order_and_a_free_replica_follo
     await asyncio.sleep(0)
     third = next(name for name, task in held.items() if task.done() and name not in (lead, other))
     assert lane[third] == lane[lead]
+
+
+async def test_a_picked_request_routed_elsewhere_is_counted_where_it_runs():
+    queue = HoldQueue(1, LONG, planner=facade_planner(AsyncCpMemory()), pick=SentOrders(lambda r: None).cached,
+                      healthy=lambda: [0, 1])
+    first = await asyncio.wait_for(queue.admit("t", (block(1),)), 0.1)
+    assert first.lanes.replica(0) == 0
+    first.placed(1)  # its conversation lives on replica 1: it went there
+    second = await asyncio.wait_for(queue.admit("t", (block(2),)), 0.1)
+    assert second.lanes.replica(0) == 0  # replica 0 has room again
+    held = asyncio.ensure_future(queue.admit("t", (block(3),)))
+    await asyncio.sleep(0)
+    assert not held.done()
+    first.done()  # ends on replica 1, where it was counted
+    await asyncio.sleep(0)
+    assert held.result().lanes.replica(0) == 1

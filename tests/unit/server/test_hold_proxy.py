@@ -541,6 +541,13 @@ async def test_with_the_pick_each_free_replica_takes_the_held_requests_whose_blo
     assert proxy.hold.admitted == 0 and proxy.hold.waiting == 0
     held_total = await proxy.metric("cpmemory_hold_held_total")
     assert held_total == {"cpmemory_hold_held_total": len(names)}
+    # the view the pick used holds, on busy0's replica, busy0's blocks in the order its prompt showed them
+    view, texts = proxy.app.state.service.sent_orders, {b.id: b for b in CLUSTERS["a"]}
+    shown = [texts[block_id] for block_id in prompt_order(infos["busy0"]) if block_id in texts]
+    assert len(shown) == 3
+    assert view.cached(infos["busy0"]["replica"], [b.content_hash for b in shown]) == sum(len(b.text) + 1
+                                                                                           for b in shown)
+    assert view.cached(infos["busy1"]["replica"], [b.content_hash for b in shown]) == 0
 
 
 def test_the_pick_needs_the_hold_queue_and_the_proxy_s_own_replicas():
