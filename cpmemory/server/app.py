@@ -274,9 +274,8 @@ def build_sent_orders(config: ServerConfig, service: ProxyService) -> SentOrders
 
     def capacity(replica: int) -> float | None:
         fit = service.fit
-        if fit is None or not 0 <= replica < len(fit.capacities) or fit.capacities[replica] is None:
-            return None
-        return fit.capacities[replica] / max(fit.tokens_per_char, 1e-6)  # type: ignore[operator]
+        tokens = fit.capacities[replica] if fit is not None and 0 <= replica < len(fit.capacities) else None
+        return None if fit is None or tokens is None else tokens / max(fit.tokens_per_char, 1e-6)
 
     return SentOrders(capacity)
 

@@ -556,3 +556,16 @@ def test_the_pick_needs_the_hold_queue_and_the_proxy_s_own_replicas():
     with pytest.raises(ValueError, match="hold_pick"):
         ServerConfig(engines=["http://a"], upstream="http://gw", hold_pick=True, max_in_flight=1)
     assert ServerConfig(engines=["http://a"], hold_pick=True, hold_fit=True).hold_pick
+
+
+async def test_the_pick_s_view_is_bounded_by_each_replica_s_cache_in_characters(held_proxy):
+    proxy = held_proxy(replicas=2, hold_pick=True, replica_cache_tokens=1_000)
+    proxy.transport.gate.set()
+    response = await proxy.post(cluster_body("only", "a", 1))
+    assert response.status_code == 200
+    service = proxy.app.state.service
+    assert service.fit is not None and service.fit.capacities[0] is not None
+    view = service.sent_orders
+    expected = service.fit.capacities[0] / service.fit.tokens_per_char
+    assert view._capacity(0) == pytest.approx(expected)
+    assert 0 < view.held(response.json()["cpmemory"]["replica"]) <= expected
