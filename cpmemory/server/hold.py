@@ -60,8 +60,8 @@ block order finds the longest prefix in what the proxy sent that replica (``pick
 :class:`~cpmemory.server.pick.SentOrders`); ties go to the plan lane that replica already runs, then to the plans'
 order. Requests held since the last plan are planned together (their block orders, lanes and order) when a replica
 has room, so arrivals join one plan until then. Each picked request carries a lane map that names its replica, so
-the service sends it there. A request held ``hold_s`` goes first, oldest first, to the next replica with room (an
-engine's queue would keep it no shorter; to the router at once when no replica is in rotation).
+the service sends it there. A request is held at most ``hold_s``: those that waited that long are released
+together as a window (planned, and split when it outgrows the caches), as without the pick.
 Why: a window released whole queues in the engines in the order planned at its release and the arrivals meanwhile
 wait for the next window; picked one at a time, a request is placed when its replica can run it, against what that
 replica just computed, with every arrival so far among the choices (``scripts/hold_model.py``). Use from one event
@@ -257,7 +257,6 @@ class _Held:
     order: tuple[Hashable, ...] | None = None  # its planned block order (pick: set when first planned)
     rank: int = 0  # its place in the plans' order (pick)
     lane: tuple[int, int] | None = None  # (its plan, its lane there) when the plan split its window (pick)
-    overdue: bool = False  # it waited hold_s (pick: it goes first to the next replica with room)
 
 
 PickView = Callable[[int, Sequence[Hashable]], float]
@@ -457,7 +456,7 @@ class HoldQueue:
         self._plan_fresh([entry for entry in live if entry.order is None])
         loop = asyncio.get_running_loop()
         while self._held:
-            best: tuple[tuple[int, float, int, int], int, int] | None = None
+            best: tuple[tuple[float, int, int], int, int] | None = None
             for position, entry in enumerate(self._held):
                 if entry.future.done():
                     continue  # cancelled: its waiter removes it
@@ -466,10 +465,7 @@ class HoldQueue:
                         continue
                     claim = None if entry.lane is None else self._claims.get(entry.lane)
                     fit = 2 if claim == replica else int(claim is None)
-                    if entry.overdue:  # waited hold_s: the oldest first, wherever there is room
-                        score = (1, -entry.arrived, fit, -entry.rank)
-                    else:
-                        score = (0, self._pick_view(replica, entry.order or ()), fit, -entry.rank)
+                    score = (self._pick_view(replica, entry.order or ()), fit, -entry.rank)
                     if best is None or score > best[0]:
                         best = (score, position, replica)
             if best is None:
@@ -487,12 +483,12 @@ class HoldQueue:
             counts = self._on.setdefault(replica, [0, 0])
             counts[0] += 1
             counts[1] += entry.tokens
-            reason: AdmissionReason = "immediate" if entry is arriving else "timeout" if entry.overdue else "slot"
+            reason: AdmissionReason = "immediate" if entry is arriving else "slot"
             entry.future.set_result(self._admit_one(Admission(reason, waited, 0, 0, lanes, self,
                                                               _tokens=entry.tokens, _replica=replica)))
             if reason != "immediate":
                 self._observer.released(reason, "planner", [waited])
-        if not any(not entry.future.done() and not entry.overdue for entry in self._held):
+        if not any(not entry.future.done() for entry in self._held):
             self._cancel_timer()
 
     def _plan_fresh(self, fresh: list[_Held]) -> None:
@@ -525,9 +521,9 @@ class HoldQueue:
         return self._ranks
 
     def _expire(self) -> None:
-        """The oldest held request waited ``hold_s``: release every held request (the window). With ``pick``, those
-        that waited that long go first to the next replica with room, oldest first (to the router's choice at once
-        when no replica is in rotation: it reports that); then wait for the next oldest."""
+        """The oldest held request waited ``hold_s``: release every held request (the window). With ``pick``,
+        only those that waited that long, together, as a window (planned, split over the replicas when it outgrows
+        their caches); then wait for the next oldest."""
         self._timer = None
         if not self.picks:
             self._release("timeout")
@@ -535,33 +531,25 @@ class HoldQueue:
         loop = asyncio.get_running_loop()
         now = loop.time()
         live = [entry for entry in self._held if not entry.future.done()]
-        for entry in live:
-            entry.overdue = entry.overdue or now - entry.arrived >= self.hold_s - 1e-3
-        if not self._healthy():
-            expired = [entry for entry in live if entry.overdue]
-            self._held = [entry for entry in live if not entry.overdue]
-            for entry in expired:
-                entry.future.set_result(self._admit_one(Admission("timeout", now - entry.arrived, _queue=self,
-                                                                  _tokens=entry.tokens)))
-            if expired:
-                self._observer.released("timeout", "fcfs", [now - entry.arrived for entry in expired])
-        else:
-            self._pick()
-        waiting = [entry.arrived for entry in self._held if not entry.future.done() and not entry.overdue]
-        if waiting:
-            self._timer = loop.call_later(max(0.0, min(waiting) + self.hold_s - now), self._expire)
+        expired = [entry for entry in live if now - entry.arrived >= self.hold_s - 1e-3]
+        self._held = [entry for entry in live if entry not in expired]
+        self._release("timeout", expired)
+        if self._held:
+            oldest = min(entry.arrived for entry in self._held)
+            self._timer = loop.call_later(max(0.0, oldest + self.hold_s - now), self._expire)
 
     def _cancel_timer(self) -> None:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
 
-    def _release(self, reason: AdmissionReason) -> None:
-        """Release every held request, in planner order (the futures resolve in that order, so their tasks resume,
-        are prepared and are sent in that order)."""
-        self._cancel_timer()
-        window = [entry for entry in self._held if not entry.future.done()]
-        self._held = []
+    def _release(self, reason: AdmissionReason, entries: list[_Held] | None = None) -> None:
+        """Release every held request (or only ``entries``, with the timer left to the caller), in planner order
+        (the futures resolve in that order, so their tasks resume, are prepared and are sent in that order)."""
+        if entries is None:
+            self._cancel_timer()
+            entries, self._held = self._held, []
+        window = [entry for entry in entries if not entry.future.done()]
         if not window:
             return
         order, planned, lanes = self._order(window)

@@ -145,40 +145,42 @@ async def test_a_token_share_bounds_a_replica_and_one_request_always_runs():
     assert held.done() and held.result().lanes.replica(0) == small.lanes.replica(0)
 
 
-async def test_a_request_held_hold_s_goes_first_to_the_next_free_replica_and_a_cancelled_one_leaves_nothing():
-    view = SentOrders(lambda replica: None)
-    queue = HoldQueue(1, 0.05, planner=facade_planner(AsyncCpMemory()), pick=view.cached, healthy=lambda: [0])
+async def test_with_the_pick_a_timeout_releases_only_those_that_waited_hold_s_as_a_window():
+    calls: list[int] = []
+
+    def planner(requests, tenant):
+        calls.append(len(requests))
+        return AsyncCpMemory().release_plan(requests, tenant=tenant, lanes=2)
+
+    queue = HoldQueue(1, 0.2, planner=planner, pick=SentOrders(lambda r: None).cached, healthy=lambda: [0])
     running = (await admit_all(queue, [("first", (block(1),))]))["first"].result()
-    view.record(0, keys(1), size(1))
-    tasks = await admit_all(queue, [("gone", (block(2),)), ("old", (block(3),))])
-    tasks["gone"].cancel()
-    await asyncio.sleep(0.1)  # "old" waited hold_s: not sent to a full replica, but first in line
-    assert not tasks["old"].done() and queue.waiting == 1
-    tasks["warm"] = asyncio.ensure_future(queue.admit("t", (block(1), block(4))))  # the replica caches its prefix
-    await asyncio.sleep(0)
-    running.done()
-    await asyncio.sleep(0)
-    assert tasks["old"].done() and not tasks["warm"].done()  # the overdue one goes before the better match
-    old = tasks["old"].result()
-    assert old.reason == "timeout" and old.lanes.replica(0) == 0
-    old.done()
-    await asyncio.sleep(0)
-    assert tasks["warm"].result().reason == "slot"
-    tasks["warm"].result().done()
-    assert queue.admitted == 0 and queue.waiting == 0
+    early = await admit_all(queue, [("a", (block(2),)), ("b", (block(3),)), ("gone", (block(4),))])
+    early["gone"].cancel()
+    await asyncio.sleep(0.1)
+    late = asyncio.ensure_future(queue.admit("t", (block(5),)))
+    released = [await asyncio.wait_for(early[name], 1.0) for name in "ab"]
+    assert [admission.reason for admission in released] == ["timeout", "timeout"]
+    assert calls[-1] == 2  # the two that waited hold_s were planned together, as a window
+    assert not late.done() and queue.waiting == 1  # it has not waited hold_s yet: still held for a pick
+    assert (await asyncio.wait_for(late, 1.0)).reason == "timeout"
+    for admission in (*released, late.result(), running):
+        admission.done()
+    assert queue.admitted == 0
 
 
-async def test_with_no_replica_in_rotation_a_request_held_hold_s_goes_to_the_router():
+async def test_with_no_replica_in_rotation_a_held_request_still_goes_after_hold_s():
     healthy = [0]
     queue = HoldQueue(1, 0.05, planner=facade_planner(AsyncCpMemory()), pick=SentOrders(lambda r: None).cached,
                       healthy=lambda: healthy)
     running = (await admit_all(queue, [("first", (block(1),))]))["first"].result()
     healthy.clear()  # the replica went down
+    running.done()  # no replica takes it: nothing is picked
     held = asyncio.ensure_future(queue.admit("t", (block(2),)))
+    await asyncio.sleep(0)
+    assert not held.done()
     admission = await asyncio.wait_for(held, 1.0)
     assert admission.reason == "timeout" and admission.lanes is None  # the router reports there is none
     admission.done()
-    running.done()
     assert queue.admitted == 0
 
 
