@@ -386,7 +386,7 @@ def command(
                                   "it holds while the requests in flight fill the replicas' caches (serve --hold-fit)."),
     hold_pick: bool = typer.Option(False, "--hold-pick", help="The in-process proxy's hold queue picks one held "
                                    "request per free replica, the one it caches most of (serve --hold-pick; needs "
-                                   "--max-in-flight or --hold-fit)."),
+                                   "--max-in-flight)."),
     hold_ms: float | None = typer.Option(None, "--hold-ms", min=0.0,
                                          help="The hold queue's longest wait (serve --hold-ms; default 5)."),
     engine_priority: bool = typer.Option(

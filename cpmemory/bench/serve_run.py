@@ -402,8 +402,8 @@ def validate(settings: ServeSettings) -> None:
         raise InvalidInputError("--max-in-flight, --hold-fit and --hold-ms set the in-process proxy: give them to the "
                                 "running proxy (serve --max-in-flight --hold-fit --hold-ms)")
     if settings.hold_pick and (settings.proxy is not None or settings.upstream is not None
-                               or (settings.max_in_flight is None and not settings.hold_fit)):
+                               or settings.max_in_flight is None):
         raise InvalidInputError("--hold-pick sets the in-process proxy's hold queue on its own replicas: it needs "
-                                "--max-in-flight or --hold-fit, and no --proxy or --upstream")
+                                "--max-in-flight, and no --proxy or --upstream")
     if settings.hold_ms is not None and settings.max_in_flight is None and not settings.hold_fit:
         raise InvalidInputError("--hold-ms needs --max-in-flight or --hold-fit (the hold queue is off without them)")

@@ -73,10 +73,12 @@ class ServerConfig(BaseModel):
         hold_split: a held window that outgrows the replicas' caches is split over them (one contiguous run of the
             planned order per replica, even in prefill work, each run in shortest-mean-work order; cpmemory.server.hold);
             off: the router places each released request.
-        hold_pick: instead of releasing every held request as one window, a replica with room (``max_in_flight``,
-            ``hold_fit``'s share of its cache) takes one held request at a time: the one whose planned block order
-            finds the longest prefix in what the proxy sent that replica (cpmemory.server.hold, ``HoldQueue._pick``).
-            Needs the hold queue (``max_in_flight`` or ``hold_fit``) and the proxy's own router (no ``upstream``).
+        hold_pick: instead of releasing every held request as one window, a replica with room (fewer than
+            ``max_in_flight`` of the pick's requests; with ``hold_fit`` also its share of the caches) takes one held
+            request at a time: the one whose planned block order finds the longest prefix in what the proxy sent
+            that replica (cpmemory.server.hold, ``HoldQueue._pick``). Needs ``max_in_flight`` (what makes a replica
+            free: with ``hold_fit``'s token share alone the pick cached less than windows, docs/bench-serve.md
+            "Measured 2026-12-07 (twenty-fourth machine ...)") and the proxy's own router (no ``upstream``).
         fit: cache-fit admission (cpmemory.server.fit): a replica takes a new conversation only while the
             conversations it serves fit its KV cache (read from each engine's ``/metrics``, else
             ``replica_cache_tokens`` when given); the others wait, first come first served. Off where no size is known.
@@ -155,9 +157,9 @@ class ServerConfig(BaseModel):
             raise ValueError("give one KV-event endpoint per engine, in the same order")
         if self.upstream_session and self.upstream is None:
             raise ValueError("upstream_session names conversations to a gateway: it needs an upstream")
-        if self.hold_pick and (self.upstream is not None or (self.max_in_flight is None and not self.hold_fit)):
-            raise ValueError("hold_pick places held requests on the proxy's own replicas: it needs the hold queue "
-                             "(max_in_flight or hold_fit) and no upstream gateway")
+        if self.hold_pick and (self.upstream is not None or self.max_in_flight is None):
+            raise ValueError("hold_pick places held requests on the proxy's own replicas as each one frees: it needs "
+                             "max_in_flight (a replica's count) and no upstream gateway")
         if self.api_keys and not self.cache_salt:
             raise ValueError("cache salts keep tenants' KV caches apart: they can be turned off only on a "
                              "single-tenant proxy (no api_keys)")

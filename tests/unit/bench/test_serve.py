@@ -389,6 +389,13 @@ def test_ablations_start_their_own_proxy_and_unknown_strategies_are_refused(stra
     validate(ServeSettings(engines=["http://e"], strategies=["cpmemory"], hold_fit=True, hold_ms=50))
     with pytest.raises(InvalidInputError, match="in-process proxy"):
         validate(ServeSettings(engines=["http://e"], proxy="http://p", strategies=["cpmemory"], hold_fit=True))
+    with pytest.raises(InvalidInputError, match="--hold-pick .* needs --max-in-flight"):
+        validate(ServeSettings(engines=["http://e"], strategies=["cpmemory"], hold_fit=True, hold_pick=True))
+    with pytest.raises(InvalidInputError, match="--hold-pick"):
+        validate(ServeSettings(engines=["http://e"], upstream="http://gw", strategies=["cpmemory"], max_in_flight=1,
+                               hold_pick=True))
+    validate(ServeSettings(engines=["http://e"], strategies=["cpmemory", "cpmemory-nopick"], max_in_flight=1,
+                           hold_pick=True))
 
 
 def test_a_per_request_record_says_where_each_request_went_and_what_it_found_cached():

@@ -555,7 +555,10 @@ def test_the_pick_needs_the_hold_queue_and_the_proxy_s_own_replicas():
         ServerConfig(engines=["http://a"], hold_pick=True)
     with pytest.raises(ValueError, match="hold_pick"):
         ServerConfig(engines=["http://a"], upstream="http://gw", hold_pick=True, max_in_flight=1)
-    assert ServerConfig(engines=["http://a"], hold_pick=True, hold_fit=True).hold_pick
+    with pytest.raises(ValueError, match="max_in_flight"):  # a token share alone does not make a replica free
+        ServerConfig(engines=["http://a"], hold_pick=True, hold_fit=True)
+    assert ServerConfig(engines=["http://a"], hold_pick=True, max_in_flight=1, hold_fit=True).hold_pick
+    assert ServerConfig(engines=["http://a"], hold_pick=True, max_in_flight=2).hold_pick
 
 
 async def test_the_pick_s_view_is_bounded_by_each_replica_s_cache_in_characters(held_proxy):
