@@ -389,7 +389,7 @@ def test_ablations_start_their_own_proxy_and_unknown_strategies_are_refused(stra
     validate(ServeSettings(engines=["http://e"], strategies=["cpmemory"], hold_fit=True, hold_ms=50))
     with pytest.raises(InvalidInputError, match="in-process proxy"):
         validate(ServeSettings(engines=["http://e"], proxy="http://p", strategies=["cpmemory"], hold_fit=True))
-    with pytest.raises(InvalidInputError, match="--hold-pick .* needs --max-in-flight"):
+    with pytest.raises(InvalidInputError, match=r"--hold-pick .* needs --max-in-flight"):
         validate(ServeSettings(engines=["http://e"], strategies=["cpmemory"], hold_fit=True, hold_pick=True))
     with pytest.raises(InvalidInputError, match="--hold-pick"):
         validate(ServeSettings(engines=["http://e"], upstream="http://gw", strategies=["cpmemory"], max_in_flight=1,
