@@ -219,6 +219,42 @@ async def test_a_plan_gives_each_held_request_its_order_and_a_free_replica_follo
     assert lane[third] == lane[lead]
 
 
+async def test_a_free_replica_keeps_to_its_lane_before_a_longer_prefix_elsewhere():
+    """A split plan's lane is the planner's run for one replica: a replica that runs one takes the rest of it, even
+    where the view finds more of another lane's request cached there (a burst: 47.8% cached against 51.6% in the
+    time model, scripts/hold_model.py)."""
+    memory, plans = AsyncCpMemory(), []
+
+    def plan(requests, tenant):
+        plans.append(memory.release_plan(requests, tenant=tenant, cache_tokens=1, lanes=2))
+        return plans[-1]
+
+    view = SentOrders(lambda r: None)
+    queue = HoldQueue(1, LONG, planner=plan, pick=view.cached, healthy=lambda: [0, 1])
+    first = (await admit_all(queue, [("first", (block(0),))]))["first"].result()
+    second = (await admit_all(queue, [("second", (block(10),))]))["second"].result()
+    names = ["a", "c", "b", "d"]
+    held = await admit_all(queue, [("a", (block(1), block(2), block(3))), ("c", (block(5), block(6), block(7))),
+                                   ("b", (block(1), block(2), block(4))), ("d", (block(5), block(6), block(8)))])
+    first.done()  # replica 0 starts a lane
+    await asyncio.sleep(0)
+    last = plans[-1]
+    lane = {name: last.lanes[position] for position, name in enumerate(names)}
+    lead = next(name for name, task in held.items() if task.done())
+    assert held[lead].result().lanes.replica(0) == 0
+    second.done()  # replica 1 starts the other
+    await asyncio.sleep(0)
+    other = next(name for name, task in held.items() if task.done() and name != lead)
+    mate = next(name for name in names if name not in (lead, other) and lane[name] == lane[lead])
+    stranger = next(name for name in names if name not in (lead, other, mate))
+    view.record(0, last.orders[names.index(stranger)], size(5, 6, 7))  # replica 0 "holds" the other lane's prefix
+    assert view.cached(0, last.orders[names.index(stranger)]) > view.cached(0, last.orders[names.index(mate)])
+    held[lead].result().done()
+    await asyncio.sleep(0)
+    assert held[mate].done() and held[mate].result().lanes.replica(0) == 0
+    assert not held[stranger].done()
+
+
 async def test_a_picked_request_routed_elsewhere_is_counted_where_it_runs():
     queue = HoldQueue(1, LONG, planner=facade_planner(AsyncCpMemory()), pick=SentOrders(lambda r: None).cached,
                       healthy=lambda: [0, 1])
