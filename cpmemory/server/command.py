@@ -120,8 +120,8 @@ def command(
     hold_pick: bool = typer.Option(
         _FIELDS["hold_pick"].default, "--hold-pick/--no-hold-pick",
         help="Instead of releasing every held request at once, a replica with room takes one held request at a time: "
-        "the one whose planned block order finds the longest prefix in what the proxy sent it (needs --max-in-flight, "
-        "a replica's count; not with --upstream)."),
+        "the rest of the planned run it serves, else the one whose planned block order finds the longest prefix in "
+        "what the proxy sent it (needs --max-in-flight, a replica's count; not with --upstream)."),
     fit: bool = typer.Option(
         _FIELDS["fit"].default, "--fit/--no-fit",
         help="Cache-fit admission: a replica takes a new conversation only while the conversations it serves fit its "

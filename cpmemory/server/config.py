@@ -75,10 +75,11 @@ class ServerConfig(BaseModel):
             off: the router places each released request.
         hold_pick: instead of releasing every held request as one window, a replica with room (fewer than
             ``max_in_flight`` of the pick's requests; with ``hold_fit`` also its share of the caches) takes one held
-            request at a time: the one whose planned block order finds the longest prefix in what the proxy sent
-            that replica (cpmemory.server.hold, ``HoldQueue._pick``). Needs ``max_in_flight`` (what makes a replica
-            free: with ``hold_fit``'s token share alone the pick cached less than windows, docs/bench-serve.md
-            "Measured 2026-12-07 (twenty-fourth machine ...)") and the proxy's own router (no ``upstream``).
+            request at a time: one of the split plan's run it serves, else the one whose planned block order finds
+            the longest prefix in what the proxy sent that replica (cpmemory.server.hold, ``HoldQueue._pick``).
+            Needs ``max_in_flight`` (what makes a replica free: with ``hold_fit``'s token share alone the pick
+            cached less than windows, docs/bench-serve.md "Measured 2026-12-07 (twenty-fourth machine ...)") and
+            the proxy's own router (no ``upstream``).
         fit: cache-fit admission (cpmemory.server.fit): a replica takes a new conversation only while the
             conversations it serves fit its KV cache (read from each engine's ``/metrics``, else
             ``replica_cache_tokens`` when given); the others wait, first come first served. Off where no size is known.
