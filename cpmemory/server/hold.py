@@ -55,11 +55,12 @@ a named session on one replica (``upstream_session``, with the replicas' KV even
 lane is named to it as a session of its own instead.
 
 **Pick per free replica** (``pick``, ``--hold-pick``): instead of handing out the whole window, a replica with room
-(``max_in_flight`` a replica, and its share of ``token_budget``) takes *one* held request: first one of the plan lane
-that replica already runs (a split plan's contiguous run for one replica stays there, in its order), then the one
-whose planned block order finds the longest prefix in what the proxy sent that replica (``pick(replica, order)``,
-:class:`~cpmemory.server.pick.SentOrders`), then the plans' order. Requests held since the last plan are planned together (their block orders, lanes and order) when a replica
-has room, so arrivals join one plan until then. Each picked request carries a lane map that names its replica, so
+(``max_in_flight`` a replica, and its share of ``token_budget``) takes *one* held request: first one of the plan
+lane that replica already runs (a split plan's contiguous run for one replica stays there, in its order), then the
+one whose planned block order finds the longest prefix in what the proxy sent that replica (``pick(replica,
+order)``, :class:`~cpmemory.server.pick.SentOrders`), then the plans' order. Requests held since the last plan are
+planned together (their block orders, lanes and order) when a replica has room, so arrivals join one plan until
+then. Each picked request carries a lane map that names its replica, so
 the service sends it there. A request is held at most ``hold_s``: those that waited that long are released
 together as a window (planned, and split when it outgrows the caches), as without the pick.
 Why: a window released whole queues in the engines in the order planned at its release and the arrivals meanwhile
@@ -439,10 +440,10 @@ class HoldQueue:
         first one of the plan lane that replica already runs (then one of no lane, or of a lane no replica runs
         yet), then the one whose planned block order finds the longest prefix on that replica (``pick``), then the
         plans' order. Lane first: a split plan is the planner's sequence for each replica; taken by the longest
-        prefix first, a burst of 64 cached 47.8% against 51.6% in the time model (``scripts/hold_model.py``), the
-        same as Poisson arrivals, whose plans rarely split. The requests held
-        since the last plan are planned together first (the planner's block orders, lanes and order), and only when
-        a replica has room: the arrivals until then join one plan.
+        prefix first, a burst of 64 cached 47.8% against 51.6% in the time model (``scripts/hold_model.py``;
+        Poisson arrivals, whose plans rarely split, the same either way). The requests held since the last plan are
+        planned together first (the planner's block orders, lanes and order), and only when a replica has room: the
+        arrivals until then join one plan.
 
         Why. Released as a whole window, held requests queue in the engines and are run in the order planned when
         they were released; requests arriving meanwhile wait for the next window. Picked one at a time, each request
