@@ -89,7 +89,8 @@ class Fleet:
         return item
 
 
-POLICIES = ("original", "no hold", "windows", "windows 1 a replica", "pick", "pick prefix first", "pick blind", "pick replan")
+POLICIES = ("original", "no hold", "windows", "windows 1 a replica", "pick", "pick prefix first", "pick blind",
+            "pick replan")
 
 
 def simulate(policy, jobs, keys, size, system, question, arrivals, capacity, memory, closed=0):
@@ -167,64 +168,50 @@ def simulate(policy, jobs, keys, size, system, question, arrivals, capacity, mem
     def idle():
         return [r for r in range(REPLICAS) if fleet.running[r] is None and not fleet.queues[r]]
 
-    def release_replan(now):
-        """Every pick: plan all held questions together (orders, lanes, rank), then as release_pick."""
-        nonlocal plans
-        if not idle() or not held:
-            return
-        plans += 1
-        planned = memory.release_plan([list(jobs[i].prepared.blocks) for i in held], cache_tokens=budget,
-                                      lanes=REPLICAS)
-        orders, lanes, ranks = {}, {}, {}
-        for position, index in enumerate(held):
-            orders[index] = list(planned.orders[position])
-            lanes[index] = planned.lanes[position]
-        for r, position in enumerate(planned.order):
-            ranks[held[position]] = r
-        claims = {}
+    def take(now, order_of, lanes, ranks, claims, send_order):
+        """While a replica is idle, send it one held question: of the lane it runs (then of no lane or of a lane
+        nobody runs), then the one whose order finds the longest cached prefix there, then the plans' order
+        (``pick prefix first``: the prefix before the lane; ``pick blind``: no prefix)."""
         while held and idle():
             best = None
             for position, index in enumerate(held):
-                prompt = prompt_of(index, orders[index])
+                prompt = prompt_of(index, order_of(index))
+                lane = lanes.get(index)
                 for replica in idle():
-                    claim = claims.get(lanes[index]) if lanes[index] is not None else None
-                    found = fleet.caches[replica].peek(prompt)
+                    claim = claims.get(lane) if lane is not None else None
+                    found = fleet.caches[replica].peek(prompt) if policy != "pick blind" else 0
                     fit = 2 if claim == replica else int(claim is None)
-                    score = (fit, found, -ranks[index])
+                    score = (found, fit, -ranks[index]) if policy == "pick prefix first" else (fit, found, -ranks[index])
                     if best is None or score > best[0]:
                         best = (score, position, replica)
             _, position, replica = best
             index = held.pop(position)
-            if lanes[index] is not None:
+            if index in lanes:
                 claims.setdefault(lanes[index], replica)
-            send(index, prepare(index), now, [replica])
+            send(index, send_order(index), now, [replica])
 
     def release_pick(now):
-        """While a replica is idle: a held question of the lane it runs (then of no lane or a lane nobody runs),
-        then the one whose order finds the longest cached prefix there, then the plans' order. The questions held since the last plan are planned first, together."""
+        """The questions held since the last plan are planned together first (only once a replica is idle), then
+        :func:`take`."""
         fresh = [index for index in held if index not in ordered]
         if not idle():
             return  # planned when a replica can take one: the questions held until then are planned together
         for index in plan(fresh, REPLICAS) if fresh else []:
             ordered[index] = prepare(index)
             rank[index] = len(rank)
-        while held and idle():
-            best = None
-            for position, index in enumerate(held):
-                prompt = prompt_of(index, ordered[index])
-                lane = lane_of.get(index)
-                for replica in idle():
-                    claim = lane_replica.get(lane) if lane is not None else None
-                    found = fleet.caches[replica].peek(prompt) if policy != "pick blind" else 0
-                    fit = 2 if claim == replica else int(claim is None)
-                    score = (found, fit, -rank[index]) if policy == "pick prefix first" else (fit, found, -rank[index])
-                    if best is None or score > best[0]:
-                        best = (score, position, replica)
-            _, position, replica = best
-            index = held.pop(position)
-            if index in lane_of:
-                lane_replica.setdefault(lane_of[index], replica)
-            send(index, ordered[index], now, [replica])
+        take(now, ordered.__getitem__, lane_of, rank, lane_replica, ordered.__getitem__)
+
+    def release_replan(now):
+        """Every held question planned again together at each pick (its orders, lanes and ranks), then
+        :func:`take` with the new plan's lanes; each question is prepared when sent."""
+        if not idle() or not held:
+            return
+        planned = memory.release_plan([list(jobs[i].prepared.blocks) for i in held], cache_tokens=budget,
+                                      lanes=REPLICAS)
+        orders = {index: list(planned.orders[position]) for position, index in enumerate(held)}
+        lanes = {index: lane for index, lane in zip(held, planned.lanes) if lane is not None}
+        ranks = {held[position]: r for r, position in enumerate(planned.order)}
+        take(now, orders.__getitem__, lanes, ranks, {}, prepare)
 
     while events:
         now, kind, replica, index, found = heapq.heappop(events)
