@@ -10,13 +10,14 @@ DEMO_STAMP = $(VENV)/.installed-demo
 
 ADAPTERS = integrations/langchain-cpmemory integrations/mem0-cpmemory
 
-$(STAMP): pyproject.toml $(ADAPTERS:%=%/pyproject.toml)
+$(STAMP): pyproject.toml $(ADAPTERS:%=%/pyproject.toml) benchmarks/pyproject.toml
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	# torch==2.13.0 is the CPU build (a local file on this machine kind); unpinned, pip takes a CUDA build.
-	# The adapters are distributions of their own (editable); their `cpmemory` requirement is the editable root.
+	# The adapters and the research benchmarks (benchmarks/, unshipped) are distributions of their own (editable);
+	# their `cpmemory` requirement is the editable root.
 	$(PIP) install -q -e '.[all,dev]' -e 'integrations/langchain-cpmemory[langgraph,test]' \
-		-e 'integrations/mem0-cpmemory[test]' 'torch==2.13.0'
+		-e 'integrations/mem0-cpmemory[test]' -e benchmarks 'torch==2.13.0'
 	$(PIP) install -q --no-deps 'contextpilot==0.5.0'
 	touch $(STAMP)
 

@@ -5,6 +5,8 @@ Command modules import only core dependencies at module level; optional extras a
 """
 from __future__ import annotations
 
+from importlib.metadata import entry_points
+
 import typer
 
 from cpmemory.bench import conversation, core_bench, demo, hold_bench, load, plan_bench, replay, serve, store_bench
@@ -34,6 +36,37 @@ bench_app.command("hold", help="The proxy's hold-and-release queue on and off: c
 bench_app.command("serve", help="Replay a trace through the proxy on real engines: TTFT, throughput, errors, lost.")(
     serve.command
 )
+
+# The research commands (trace replay, studies) live in the unshipped distribution `benchmarks/`
+# (cpmemory-benchmarks); it adds them through this entry-point group. Without it, these names say how to install it.
+BENCH_PLUGINS = "cpmemory.bench"
+RESEARCH_COMMANDS = ("replay", "hold", "accuracy", "hosted")
+INSTALL_HINT = (
+    "`cpmemory bench {name}` is a research benchmark: it lives in benchmarks/ (cpmemory-benchmarks), not in the "
+    "cpmemory package. From a checkout: `make setup`, or `pip install -e benchmarks`."
+)
+
+
+def _not_installed(name: str):
+    def command() -> None:
+        typer.echo(INSTALL_HINT.format(name=name), err=True)
+        raise typer.Exit(2)
+
+    return command
+
+
+def _register_research(bench: typer.Typer) -> None:
+    plugins = entry_points(group=BENCH_PLUGINS)
+    for plugin in plugins:
+        plugin.load()(bench)
+    if not plugins:
+        for name in RESEARCH_COMMANDS:
+            bench.command(name, help="Research benchmark: needs cpmemory-benchmarks (benchmarks/).",
+                          context_settings={"allow_extra_args": True, "ignore_unknown_options": True})(
+                _not_installed(name))
+
+
+_register_research(bench_app)
 
 
 def main() -> None:  # pragma: no cover - console entry point

@@ -1,0 +1,37 @@
+"""The research commands reach ``cpmemory bench`` through the entry-point registry, tolerant of absent studies."""
+from __future__ import annotations
+
+import typer
+from typer.testing import CliRunner
+
+from cpmemory.cli import app
+from cpmemory_benchmarks import cli
+
+
+def test_register_adds_present_studies_and_skips_absent_ones(monkeypatch) -> None:
+    monkeypatch.setattr(cli, "STUDIES", (
+        cli.Study("plan", "cpmemory.bench.plan_bench", "present"),
+        cli.Study("absent", "cpmemory_benchmarks.no_such_study", "absent"),
+    ))
+    bench = typer.Typer()
+    assert cli.register(bench) == ["plan"]
+    assert [c.name for c in bench.registered_commands] == ["plan"]
+
+
+def test_a_study_whose_dependency_is_missing_fails_loudly(monkeypatch, tmp_path) -> None:
+    (tmp_path / "broken_study.py").write_text("import no_such_dependency_anywhere\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(cli, "STUDIES", (cli.Study("broken", "broken_study", "broken"),))
+    try:
+        cli.register(typer.Typer())
+    except ModuleNotFoundError as error:
+        assert error.name == "no_such_dependency_anywhere"
+    else:
+        raise AssertionError("a missing dependency inside a study must not be skipped silently")
+
+
+def test_the_research_commands_are_listed_under_bench() -> None:
+    result = CliRunner().invoke(app, ["bench", "--help"])
+    assert result.exit_code == 0
+    for name in ("replay", "hold", "serve", "load", "core", "store", "plan", "conversation"):
+        assert name in result.output
