@@ -110,7 +110,7 @@ def plan_budgeted(
         PromptBudgetError: not even the turn with no history fits (``check_turn_alone`` normally catches it first).
         TokenCounterError: the counter failed on a history message.
     """
-    base = sent_history(turn_input, reservation, config.max_history_turns)
+    base = sent_history(turn_input.history, reservation, config.max_history_turns)
     if base.stored:
         groups = _turn_groups(base, reservation)
     else:

@@ -12,7 +12,6 @@ from cpmemory.core import annotations
 from cpmemory.core.blocks import Block, BlockLike, resolve_blocks
 from cpmemory.errors import InvalidBlockError, InvalidInputError
 from cpmemory.session.config import CpMemoryConfig
-from cpmemory.session.window import SentHistory, sent_history, turn_offsets, window_start  # noqa: F401 - re-exported
 from cpmemory.types import (
     ConversationKey,
     Message,

@@ -331,7 +331,7 @@ def plan_turn(
         sent: the history to send; None: ``sent_history`` (the turn window of ``max_history_turns``).
     """
     if sent is None:
-        sent = sent_history(turn_input, reservation, config.max_history_turns)
+        sent = sent_history(turn_input.history, reservation, config.max_history_turns)
     segments = (segment_source or SegmentIndex.from_messages)(sent.messages) if sent.messages else None
     decisions = decide_blocks(turn_input, reservation, sent, config, segments, segment_source)
     context = LabelContext(

@@ -14,12 +14,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from cpmemory.types import Message, Reservation
-
-if TYPE_CHECKING:
-    from cpmemory.session.turn_input import TurnInput
 
 
 def window_start(turns: int, max_turns: int | None) -> int:
@@ -74,11 +70,12 @@ def turn_offsets(reservation: Reservation) -> tuple[list[int], bool]:
 
 
 def sent_history(
-    turn_input: TurnInput, reservation: Reservation | None, max_turns: int | None = None
+    given: Sequence[Message] | None, reservation: Reservation | None, max_turns: int | None = None
 ) -> SentHistory:
-    """Return the history this request sends: the given one, else the stored transcript (its last window)."""
-    if turn_input.history is not None:
-        return SentHistory(turn_input.history, stored=False)
+    """Return the history this request sends: the ``given`` one (the caller's, as dedup reads it), else the stored
+    transcript (its last window)."""
+    if given is not None:
+        return SentHistory(tuple(given), stored=False)
     if reservation is None or reservation.transcript is None:
         return SentHistory(())
     transcript = tuple(reservation.transcript)
