@@ -193,6 +193,8 @@ def create_app(
         stop = asyncio.Event()
         probe = asyncio.create_task(dispatcher.probe_forever(stop))
         sizing = asyncio.create_task(size_fit(service.fit, config)) if service.fit is not None else None
+        # the engine's limits asked now, not by the first burst's requests (EngineBudget.warm)
+        warming = asyncio.create_task(service.engine_budget.warm()) if service.engine_budget is not None else None
         if config.kv_events:
             from cpmemory.server.kv_sync import KVSyncHub
 
@@ -211,6 +213,10 @@ def create_app(
                 finder.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await finder
+            if warming is not None:
+                warming.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await warming
             if sizing is not None:
                 sizing.cancel()
                 with contextlib.suppress(asyncio.CancelledError):

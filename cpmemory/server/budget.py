@@ -172,6 +172,22 @@ class EngineBudget:
             checking.add_done_callback(lambda _: self._checking.pop(model, None))
         return await asyncio.shield(checking)
 
+    async def warm(self) -> None:
+        """Ask the limits of every model the engine lists, once, when the proxy starts: the first requests then find
+        them known. Without it a burst reaching a fresh proxy waited in ``prepare`` for the one shared check, behind
+        the burst's own parsing, and that wait was counted as the proxy's overhead. Never raises: an engine that is
+        not up yet is asked on the first request, as before."""
+        try:
+            listed = await self._client.models()
+        except Exception as error:  # noqa: BLE001 - the engine may start after the proxy
+            logger.debug("GET /v1/models at start failed: %s", error)
+            return
+        entries = listed.get("data") if isinstance(listed, Mapping) else None
+        for entry in entries if isinstance(entries, list) else []:
+            model = entry.get("id") if isinstance(entry, Mapping) else None
+            if isinstance(model, str) and model and model not in self._limits:
+                await self.limits(model)
+
     async def _check(self, model: str) -> EngineLimits:
         length = await self._model_len(model)
         template = await self.count(model, [{"role": "user", "content": "ping"}]) if length is not None else None
