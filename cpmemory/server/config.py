@@ -15,11 +15,14 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
+from cpmemory.hosted.provider import HostedSettings
 from cpmemory.routing.router import RouterConfig
 from cpmemory.session.config import CpMemoryConfig
 from cpmemory.stores.redis_store import RedisStoreConfig
 
 SERVER_REDIS = RedisStoreConfig(socket_timeout_s=1.0, connect_timeout_s=1.0)
+MAX_BODY_BYTES = 8 * 1024 * 1024
+"""The largest request body the proxy reads by default (``max_body_bytes``); a larger one is answered 413."""
 HOLD_MS_MAX = 60_000.0
 """The longest ``hold_ms`` allowed: a minute (seconds of hold pay only under sustained overload)."""
 """The proxy's Redis defaults: longer timeouts than the library's (the proxy shares its loop with many clients)."""
@@ -30,7 +33,8 @@ class ServerConfig(BaseModel):
 
     Attributes:
         engines: base URLs of the engine replicas (OpenAI-compatible, e.g. vLLM).
-        redis_url: session store; None keeps state in process memory (lost on restart).
+        redis_url: session store; None keeps state in process memory (lost on restart). ``redis://HOST:PORT/DB``
+            for one server, ``redis+cluster://HOST:PORT`` for a Redis Cluster (cpmemory.server.store_setup).
         redis: the Redis store's settings (prefix: one per deployment; timeouts; TTL).
         memory: the facade's settings.
         api_keys: API key -> tenant. Empty: every caller is the single tenant ``default``.
@@ -97,6 +101,7 @@ class ServerConfig(BaseModel):
             field without it). Off by default: SGLang serves *higher* values first unless started with
             ``--schedule-low-priority-values-first``, and vLLM's V0 engine refused a priority without the policy.
             A request that sets its own ``priority`` keeps it.
+        max_body_bytes: the largest request body read; a larger one is answered 413 (cpmemory.server.responses).
         fit_first_idle_ms: the same for a conversation that has had one turn so far (a lone question frees it soon).
         fit_grace_ms: a replica with nothing in flight for this long (and for the idle window) takes the next new
             conversation anyway.
@@ -135,6 +140,8 @@ class ServerConfig(BaseModel):
     fit_grace_ms: float = Field(default=100.0, ge=0, le=600_000)
     fit_max_wait_s: float = Field(default=30.0, gt=0, le=3600)
     engine_priority: bool = False
+    max_body_bytes: int = Field(default=MAX_BODY_BYTES, ge=1024, description="larger request bodies get 413")
+    hosted: HostedSettings | None = Field(default=None, description="send to a hosted provider (cpmemory.hosted)")
 
     @field_validator("cache_salt_secret")
     @classmethod

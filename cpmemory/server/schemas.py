@@ -108,6 +108,7 @@ class ErrorDetail(BaseModel):
     type: str
     code: str
     message: str
+    param: str | None = None
     details: list[dict[str, Any]] | None = None
 
 
@@ -160,3 +161,12 @@ class HealthOut(BaseModel):
 
     status: Literal["ok", "degraded", "down"]
     replicas: list[ReplicaHealth]
+
+
+class ReadyOut(BaseModel):
+    """Body of /readyz: ready when at least one engine answers its health check now and the store serves a read."""
+
+    ready: bool
+    engines_reachable: int
+    engines: int
+    store: str
