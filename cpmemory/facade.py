@@ -14,7 +14,10 @@ Offline mode: ``mem.plan_batch(list_of_block_lists)`` returns the execution orde
 the reordered order (pass them back as ``prompt_order=`` to ``prepare``).
 
 Store failures (StoreUnavailableError, connection or timeout errors, any redis error) make ``prepare`` a degraded
-pass-through: relevance order, every block in full, nothing reserved; it is logged once per outage and counted.
+pass-through: relevance order, every block in full, nothing reserved; it is logged once per outage and counted. The
+turn still gets its conversation's history and next turn number from a bounded local copy of recent transcripts,
+and its commit (or any commit the store could not take) is kept and written back at the conversation's next turn
+that reaches the store (``cpmemory.session.recent``).
 """
 
 from __future__ import annotations
@@ -25,13 +28,18 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from cpmemory.core.blocks import BlockLike, normalize_blocks
-from cpmemory.errors import PromptBudgetError, ReservationExpiredError, TokenCounterError
+from cpmemory.errors import (
+    PromptBudgetError,
+    ReservationExpiredError,
+    TokenCounterError,
+    UnknownReservationError,
+)
 from cpmemory.session.config import CpMemoryConfig
 from cpmemory.session.lifecycle import FacadeCore, IndexEvictor, is_store_failure, shared_evictions
 from cpmemory.session.turns import PreparedTurn, reserve_request
 from cpmemory.stores.base import AsyncSessionStore, SessionStore
 from cpmemory.stores.memory import AsyncInMemorySessionStore, InMemorySessionStore
-from cpmemory.types import BatchPlan, ConversationKey, ConversationState
+from cpmemory.types import BatchPlan, ConversationKey, ConversationState, Reservation
 
 logger = logging.getLogger(__name__)
 
@@ -96,6 +104,7 @@ class CpMemory(FacadeCore):
             prompt_order=prompt_order,
         )
         try:
+            self._write_back(turn_input.key)
             reservation = self.store.reserve(turn_input.key, reserve_request(turn_input, self.config))
         except Exception as error:
             if not is_store_failure(error):
@@ -115,8 +124,46 @@ class CpMemory(FacadeCore):
             if not is_store_failure(error):
                 raise
 
+    def _write_back(self, key: ConversationKey) -> None:
+        """Write the commits kept during an outage to the store, in order (``cpmemory.session.recent``); a store
+        failure is raised (the rest wait again)."""
+        if not self._recent.pending(key):
+            return
+        opened: Reservation | None = self.store.reserve(key, self._late_request())
+        assert opened is not None
+        back = self._recent.take(key, opened.turn)
+        done = 0
+        try:
+            for _, record in back.rewrite:
+                opened = opened or self.store.reserve(key, self._late_request())
+                self.store.commit(key, opened.reservation_id, record)
+                opened = None
+            for kept in back.kept:
+                if kept.reservation_id:  # its own reservation first: a commit that had landed is not repeated
+                    try:
+                        self.store.commit(key, kept.reservation_id, kept.record)
+                        done += 1
+                        continue
+                    except (ReservationExpiredError, UnknownReservationError):
+                        pass
+                opened = opened or self.store.reserve(key, self._late_request())
+                self.store.commit(key, opened.reservation_id, kept.record)
+                opened = None
+                done += 1
+        except BaseException:
+            self._recent.give_back(key, back.kept[done:])
+            raise
+        finally:
+            if opened is not None:
+                self._release(key, opened.reservation_id)
+        self._wrote_back(key, done)
+
     def commit(self, turn_or_reservation_id: PreparedTurn | str, answer: str, *, late: bool = False) -> int:
-        """Make the turn durable with the model's answer; returns the committed turn number (0 for degraded turns).
+        """Make the turn durable with the model's answer; returns the committed turn number.
+
+        A degraded turn, or a commit the store fails on, is kept in the facade's local copy and written back at the
+        conversation's next turn that reaches the store (counted: ``local_commits``, ``commit_failures``); the
+        number returned is then the local copy's (0 when the conversation's earlier turns are unknown here).
 
         Args:
             late: a reservation that timed out is committed all the same, through a new reservation (the turn is
@@ -125,11 +172,10 @@ class CpMemory(FacadeCore):
 
         Raises:
             UnknownReservationError, ReservationExpiredError: see the store contract.
-            StoreUnavailableError: the store failed; the turn is not recorded (later turns will not refer to it).
         """
         turn, record = self._to_commit(turn_or_reservation_id, answer)
         if turn.degraded:
-            return 0
+            return self._keep(turn, record)
         try:
             try:
                 number = self.store.commit(turn.key, turn.reservation_id, record)
@@ -139,9 +185,9 @@ class CpMemory(FacadeCore):
                 again = self.store.reserve(turn.key, self._late_request())
                 number = self.store.commit(turn.key, again.reservation_id, record)
                 self._committed_late(turn)
-        except Exception as error:  # noqa: BLE001 - _commit_failed re-raises it (mapped)
-            self._commit_failed(error)
-        return self._committed(turn, number)
+        except Exception as error:  # noqa: BLE001 - _commit_failed re-raises all but a store failure
+            return self._commit_failed(turn, record, error)
+        return self._committed(turn, number, record)
 
     def abort(self, turn_or_reservation_id: PreparedTurn | str) -> bool:
         """Release the turn (its LLM call failed); False when already released, unknown or degraded."""
@@ -223,6 +269,7 @@ class CpMemory(FacadeCore):
         key = ConversationKey(tenant, conversation_id)
         self.store.delete(key)
         self._segments.forget(key)
+        self._recent.forget(key)
 
 
 class AsyncCpMemory(FacadeCore):
@@ -264,6 +311,7 @@ class AsyncCpMemory(FacadeCore):
             prompt_order=prompt_order,
         )
         try:
+            await self._write_back(turn_input.key)
             reservation = await self.store.reserve(turn_input.key, reserve_request(turn_input, self.config))
         except Exception as error:
             if not is_store_failure(error):
@@ -283,11 +331,44 @@ class AsyncCpMemory(FacadeCore):
             if not is_store_failure(error):
                 raise
 
+    async def _write_back(self, key: ConversationKey) -> None:
+        """See :meth:`CpMemory._write_back`."""
+        if not self._recent.pending(key):
+            return
+        opened: Reservation | None = await self.store.reserve(key, self._late_request())
+        assert opened is not None
+        back = self._recent.take(key, opened.turn)
+        done = 0
+        try:
+            for _, record in back.rewrite:
+                opened = opened or await self.store.reserve(key, self._late_request())
+                await self.store.commit(key, opened.reservation_id, record)
+                opened = None
+            for kept in back.kept:
+                if kept.reservation_id:
+                    try:
+                        await self.store.commit(key, kept.reservation_id, kept.record)
+                        done += 1
+                        continue
+                    except (ReservationExpiredError, UnknownReservationError):
+                        pass
+                opened = opened or await self.store.reserve(key, self._late_request())
+                await self.store.commit(key, opened.reservation_id, kept.record)
+                opened = None
+                done += 1
+        except BaseException:
+            self._recent.give_back(key, back.kept[done:])
+            raise
+        finally:
+            if opened is not None:
+                await self._release(key, opened.reservation_id)
+        self._wrote_back(key, done)
+
     async def commit(self, turn_or_reservation_id: PreparedTurn | str, answer: str, *, late: bool = False) -> int:
         """See :meth:`CpMemory.commit`."""
         turn, record = self._to_commit(turn_or_reservation_id, answer)
         if turn.degraded:
-            return 0
+            return self._keep(turn, record)
         try:
             try:
                 number = await self.store.commit(turn.key, turn.reservation_id, record)
@@ -297,9 +378,9 @@ class AsyncCpMemory(FacadeCore):
                 again = await self.store.reserve(turn.key, self._late_request())
                 number = await self.store.commit(turn.key, again.reservation_id, record)
                 self._committed_late(turn)
-        except Exception as error:  # noqa: BLE001 - _commit_failed re-raises it (mapped)
-            self._commit_failed(error)
-        return self._committed(turn, number)
+        except Exception as error:  # noqa: BLE001 - _commit_failed re-raises all but a store failure
+            return self._commit_failed(turn, record, error)
+        return self._committed(turn, number, record)
 
     async def abort(self, turn_or_reservation_id: PreparedTurn | str) -> bool:
         """See :meth:`CpMemory.abort`."""
@@ -351,3 +432,4 @@ class AsyncCpMemory(FacadeCore):
         key = ConversationKey(tenant, conversation_id)
         await self.store.delete(key)
         self._segments.forget(key)
+        self._recent.forget(key)

@@ -83,12 +83,13 @@ def _message_groups(
 ) -> list[tuple[Message, ...]]:
     """A caller-given history cut where a message starts a new chunk of ``chunk`` tokens.
 
-    The cuts depend only on the messages before them, so they stay put as the history grows (prefix-stable).
+    The cuts depend only on the messages before them, so they stay put as the history grows (prefix-stable). A cut
+    never falls before a tool result: an assistant's tool call and its results are kept or dropped together.
     """
     groups: list[list[Message]] = []
     total, current = 0, -1
     for message in messages:
-        if total // chunk != current:
+        if total // chunk != current and (not groups or message.get("role") != "tool"):
             current = total // chunk
             groups.append([])
         groups[-1].append(message)
@@ -148,13 +149,21 @@ def plan_budgeted(
 
 
 def fit_degraded(turn: PreparedTurn, budget: PromptBudget) -> PreparedTurn:
-    """A pass-through turn cut to the budget: the oldest history messages are dropped until it fits.
+    """A pass-through turn cut to the budget: the oldest history messages are dropped until it fits, a message
+    together with the tool results that follow it (a tool call and its results go together).
 
     The turn alone fits (``check_turn_alone`` ran before the store was asked), so this always ends within the budget.
     """
     messages = list(turn.messages)
     tokens = budget.messages(messages)
     first = 1 if messages and messages[0]["role"] == "system" else 0
+    cut = 0
     while tokens > budget.limit and len(messages) - first > 1:
-        tokens -= budget.message(messages.pop(first))
-    return dataclasses.replace(turn, messages=messages, prompt_tokens=tokens, budget=budget.limit)
+        end = first + 1
+        while end < len(messages) - 1 and messages[end].get("role") == "tool":
+            end += 1
+        tokens -= budget.messages(messages[first:end])
+        cut += end - first
+        del messages[first:end]
+    return dataclasses.replace(turn, messages=messages, prompt_tokens=tokens, budget=budget.limit,
+                               history_sent=max(0, turn.history_sent - cut))

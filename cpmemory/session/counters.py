@@ -27,6 +27,11 @@ class FacadeCounters:
         dedup_chars_saved: characters not sent thanks to de-duplication.
         dedup_tokens_saved: the same, in estimated tokens (chars / chars_per_token).
         index_evictions: leaves removed from the indexes (engine evictions, bound, aborts).
+        histories_matched / histories_diverged / histories_none / histories_unchecked: how each prepared turn's
+            history was used (``cpmemory.session.reconcile``).
+        history_messages_dropped / history_turns_dropped: history left out of prompts (a token budget, the window).
+        local_commits: commits kept locally while the store was unreachable; local_writebacks: those written back;
+            local_commits_lost: those dropped with their conversation from the bounded local copy.
     """
 
     prepares: int = 0
@@ -45,6 +50,15 @@ class FacadeCounters:
     dedup_chars_saved: int = 0
     dedup_tokens_saved: int = 0
     index_evictions: int = 0
+    histories_matched: int = 0
+    histories_diverged: int = 0
+    histories_none: int = 0
+    histories_unchecked: int = 0
+    history_messages_dropped: int = 0
+    history_turns_dropped: int = 0
+    local_commits: int = 0
+    local_writebacks: int = 0
+    local_commits_lost: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def add(self, **increments: int) -> None:

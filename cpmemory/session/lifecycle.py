@@ -17,7 +17,7 @@ import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
-from typing import Any, NoReturn
+from typing import Any
 
 from cpmemory.core.blocks import BlockLike, normalize_blocks
 from cpmemory.core.scheduling import ReleasePlan
@@ -34,6 +34,8 @@ from cpmemory.session.budgeted import check_turn_alone, fit_degraded, plan_budge
 from cpmemory.session.config import CpMemoryConfig
 from cpmemory.session.counters import FacadeCounters
 from cpmemory.session.index import Placement, TenantIndexes
+from cpmemory.session.recent import Kept, RecentTranscripts
+from cpmemory.session.reconcile import Outcome, dropped, offered_history, reconcile
 from cpmemory.session.segments import SegmentCache
 from cpmemory.session.turn_input import TurnInput, make_input
 from cpmemory.session.turns import (
@@ -43,7 +45,7 @@ from cpmemory.session.turns import (
     plan_turn,
     turn_counts,
 )
-from cpmemory.types import BatchPlan, ConversationKey, ReserveRequest, TurnRecord
+from cpmemory.types import BatchPlan, ConversationKey, Message, ReserveRequest, TurnRecord
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +71,8 @@ class FacadeCore:
         self._outage = False
         self._segments = SegmentCache()
         self._token_counts: dict[str, int] = {}  # shared by every call's PromptBudget (bounded there)
+        # recent transcripts: an outage never makes the model forget (cpmemory.session.recent)
+        self._recent = RecentTranscripts(on_lost=lambda count: self.counters.add(local_commits_lost=count))
 
     # -- prepare -------------------------------------------------------------------------------------------------
     def _input(
@@ -95,13 +99,16 @@ class FacadeCore:
         if self._outage:
             self._outage = False
             logger.warning("session store reachable again; de-duplication resumed")
+        self._recent.seen(turn_input.key, reservation)
+        transcript = reservation.transcript
+        outcome, planned = reconcile(turn_input, transcript, reservation.transcript_start, reservation.turn)
         # A conversation's history only grows: its segment index is cached and extended (stored or given history).
         source = self._segments.source(turn_input.key)
         try:
             if budget is not None:
-                turn = plan_budgeted(turn_input, reservation, self._indexes, self.config, budget, source)
+                turn = plan_budgeted(planned, reservation, self._indexes, self.config, budget, source)
             else:
-                turn = plan_turn(turn_input, reservation, self._indexes, self.config, source)
+                turn = plan_turn(planned, reservation, self._indexes, self.config, source)
         except (PromptBudgetError, TokenCounterError):
             raise
         except Exception:  # an index bug must not lose the request: fall back to relevance order
@@ -109,12 +116,22 @@ class FacadeCore:
             self.counters.add(index_errors=1)
             self._indexes.reset(turn_input.key.tenant)
             if budget is not None:
-                turn = plan_budgeted(turn_input, reservation, _NoIndex(), self.config, budget)
+                turn = plan_budgeted(planned, reservation, _NoIndex(), self.config, budget)
             else:
-                turn = plan_turn(turn_input, reservation, _NoIndex(), self.config)
+                turn = plan_turn(planned, reservation, _NoIndex(), self.config)
+        turn = self._reported(turn_input, turn, outcome, transcript)
         self._remember(turn)
         self.counters.add(**turn_counts(turn, self.config.chars_per_token))
         return turn
+
+    def _reported(
+        self, turn_input: TurnInput, turn: PreparedTurn, outcome: Outcome, transcript: Sequence[Message] | None
+    ) -> PreparedTurn:
+        """The turn with how its history was used and what of it was left out (counted)."""
+        messages, turns = dropped(offered_history(turn_input, transcript), turn.history_sent, outcome == "matched")
+        self.counters.add(**{f"histories_{outcome}": 1}, history_messages_dropped=messages,
+                          history_turns_dropped=turns)
+        return dataclasses.replace(turn, history=outcome, history_dropped=(messages, turns))
 
     def _degraded(
         self, turn_input: TurnInput, error: BaseException, budget: PromptBudget | None = None
@@ -122,11 +139,25 @@ class FacadeCore:
         if not self._outage:
             self._outage = True
             logger.warning("session store unavailable (%s); serving pass-through until it returns", error)
-        turn = degraded_turn(turn_input, self.config)
+        local = self._recent.history(turn_input.key, self.config.max_history_turns)
+        known = local.messages if local.known else None
+        outcome, planned = reconcile(turn_input, known, local.start, local.turns)
+        use_local = planned.given_history is None and local.known
+        turn = degraded_turn(planned, self.config, local.messages if use_local else None,
+                             local.turns + 1 if local.known else 0)
         if budget is not None:
             turn = fit_degraded(turn, budget)
+        turn = self._reported(turn_input, turn, outcome, known)
         self.counters.add(fallbacks=1, **turn_counts(turn, self.config.chars_per_token))
         return turn
+
+    def _keep(self, turn: PreparedTurn, record: TurnRecord) -> int:
+        """Keep a commit the store could not take, to write it back at the conversation's next turn that reaches
+        the store (``cpmemory.session.recent``); returns its turn number here (0: unknown)."""
+        number = self._recent.keep(turn.key, Kept("" if turn.degraded else turn.reservation_id, record))
+        self._forget(turn)
+        self.counters.add(local_commits=1)
+        return number
 
     # -- pending turns (commit/abort by reservation id) -----------------------------------------------------------
     def _remember(self, turn: PreparedTurn) -> None:
@@ -159,14 +190,15 @@ class FacadeCore:
         turn = self._resolve(turn_or_id)
         return turn, commit_record(turn, answer)
 
-    def _commit_failed(self, error: Exception) -> NoReturn:
-        """Re-raise a store error raised by commit: store failures become StoreUnavailableError (and are counted)."""
+    def _commit_failed(self, turn: PreparedTurn, record: TurnRecord, error: Exception) -> int:
+        """A commit the store raised on: a store failure is counted and the turn kept to be written back
+        (:meth:`_keep`, its number returned); anything else is re-raised."""
         if not is_store_failure(error):
             raise error
         self.counters.add(commit_failures=1)
-        if isinstance(error, StoreUnavailableError):
-            raise error
-        raise StoreUnavailableError(f"commit failed: {error}") from error
+        logger.warning("commit of %s failed (%s); kept to be written back", turn.request_id or turn.reservation_id,
+                       error)
+        return self._keep(turn, record)
 
     def _to_abort(self, turn_or_id: PreparedTurn | str) -> tuple[PreparedTurn | None, bool]:
         """(the turn to release, or None when it is unknown or degraded; whether this facade still holds it open)."""
@@ -183,11 +215,17 @@ class FacadeCore:
         return ReserveRequest(blocks=(), reservation_timeout_s=self.config.reservation_timeout_s,
                               include_transcript=False)
 
+    def _wrote_back(self, key: ConversationKey, count: int) -> None:
+        self._recent.written(key)
+        self.counters.add(local_writebacks=count)
+        logger.info("%d turns kept during a store outage written back", count)
+
     def _committed_late(self, turn: PreparedTurn) -> None:
         logger.info("turn %s committed late (its reservation had timed out)", turn.request_id or turn.reservation_id)
         self.counters.add(late_commits=1)
 
-    def _committed(self, turn: PreparedTurn, number: int) -> int:
+    def _committed(self, turn: PreparedTurn, number: int, record: TurnRecord) -> int:
+        self._recent.committed(turn.key, number, record)
         self._forget(turn)
         self.counters.add(commits=1)
         return number

@@ -105,6 +105,11 @@ class PreparedTurn:
         opens_conversation: only system messages come before the user message (no earlier turn): the prompt's
             block order is cached from the system prompt on, so commit records it in the tenant's shared
             decision state (a Redis store).
+        history_sent: messages of history the prompt sends (between the system prompt and the user message).
+        history: how the caller's history was used (``cpmemory.session.reconcile``): "matched" (planned from the
+            committed transcript), "diverged" (sent as given), "none" (no history given), "unchecked".
+        history_dropped: (messages, turns) of the history offered to the turn (the caller's, else the stored
+            transcript) that the prompt leaves out (a token budget, the turn window).
     """
 
     reservation_id: str
@@ -127,6 +132,9 @@ class PreparedTurn:
     budget: int | None = None
     trim_before: int = 0
     opens_conversation: bool = False
+    history_sent: int = 0
+    history: str = "none"
+    history_dropped: tuple[int, int] = (0, 0)
 
     @property
     def key(self) -> ConversationKey:
@@ -141,7 +149,7 @@ def reserve_request(turn_input: TurnInput, config: CpMemoryConfig) -> ReserveReq
     return ReserveRequest(
         pairs,
         config.reservation_timeout_s,
-        include_transcript=turn_input.history is None,
+        include_transcript=True,  # a given history is compared with it (cpmemory.session.reconcile)
         history_turns=config.max_history_turns,
         order_sizes=sizes,
         match_prefix=opens_conversation(turn_input.history),
@@ -353,7 +361,8 @@ def plan_turn(
     text, positions, annotated = render_user_message(turn_input, decisions, order, config, labels)
     if request_id:  # the user message's own characters (question, template) go into the cache after the blocks
         indexes.note_tail(tenant, len(text) - sum(_size(turn_input.blocks[i]) for i in shown))
-    messages = assemble_messages(turn_input.system_prompt, _delivered(turn_input, sent), text)
+    delivered = _delivered(turn_input, sent)
+    messages = assemble_messages(turn_input.system_prompt, delivered, text)
     return PreparedTurn(
         reservation_id=reservation.reservation_id,
         tenant=tenant,
@@ -371,6 +380,7 @@ def plan_turn(
         query=turn_input.query,
         user_message=text,
         opens_conversation=opens_conversation(messages[:-1]),
+        history_sent=len(delivered),
     )
 
 
@@ -424,19 +434,27 @@ def _block_decisions(
     return out
 
 
-def degraded_turn(turn_input: TurnInput, config: CpMemoryConfig) -> PreparedTurn:
-    """Pass-through when the store failed: relevance order, every block in full, nothing reserved or indexed."""
+def degraded_turn(
+    turn_input: TurnInput, config: CpMemoryConfig, history: Sequence[Mapping[str, Any]] | None = None, turn: int = 0
+) -> PreparedTurn:
+    """Pass-through when the store failed: relevance order, every block in full, nothing reserved or indexed.
+
+    Args:
+        history: the history to send (a local copy of the transcript); None: the caller's, if any.
+        turn: the number the turn gets (0: unknown).
+    """
     decisions = [DedupDecision(Status.NEW) for _ in turn_input.blocks]
     order = list(range(len(turn_input.blocks)))
     context = LabelContext(digits=config.label_digits, longer=config.collision_label_digits)
     labels = assign_labels(turn_input.blocks, turn_input.digests, decisions, context)
     text, positions, _ = render_user_message(turn_input, decisions, order, config, labels)
-    history = turn_input.given_history or ()
+    if history is None:
+        history = turn_input.given_history or ()
     return PreparedTurn(
         reservation_id="",
         tenant=turn_input.key.tenant,
         conversation_id=turn_input.key.conversation,
-        turn=0,
+        turn=turn,
         request_id="",
         messages=assemble_messages(turn_input.system_prompt, history, text),
         decisions=_block_decisions(turn_input, decisions, positions, labels),
@@ -444,6 +462,7 @@ def degraded_turn(turn_input: TurnInput, config: CpMemoryConfig) -> PreparedTurn
         degraded=True,
         query=turn_input.query,
         user_message=text,
+        history_sent=len(history),
     )
 
 

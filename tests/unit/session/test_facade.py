@@ -224,18 +224,31 @@ def test_store_outage_degrades_logs_once_and_recovers(caplog: pytest.LogCaptureF
 
 
 class FailingCommitStore(InMemorySessionStore):
+    failing = True
+
     def commit(self, key, reservation_id, record):  # type: ignore[override]
-        raise TimeoutError("timed out")
+        if self.failing:
+            raise TimeoutError("timed out")
+        return super().commit(key, reservation_id, record)
 
 
-def test_commit_store_failure_is_a_typed_error_and_nothing_is_referenced_later() -> None:
+def test_commit_store_failure_is_kept_nothing_referenced_meanwhile_then_written_back_once() -> None:
     store = FailingCommitStore()
     mem = CpMemory(store=store)
     turn = mem.prepare("c", "q", blocks(1))
-    with pytest.raises(StoreUnavailableError):
-        mem.commit(turn, "a")
+    assert mem.commit(turn, "a") == 1  # kept locally, numbered as it would have been
     assert mem.counters.snapshot()["commit_failures"] == 1
     assert store.load(turn.key).turns == 0
+    meanwhile = mem.prepare("c", "q2", blocks(1))  # the write-back fails again: a pass-through with its history
+    assert meanwhile.degraded and meanwhile.turn == 2 and {d.status for d in meanwhile.decisions} == {"new"}
+    assert [m["content"] for m in meanwhile.messages[1:3]] == [turn.user_message, "a"]
+    store.failing = False
+    assert mem.commit(meanwhile, "a2") == 2
+    later = mem.prepare("c", "q3", blocks(1))
+    assert not later.degraded and later.turn == 3
+    state = store.load(turn.key)
+    assert state.turns == 2 and [m["content"] for m in state.transcript if m["role"] == "assistant"] == ["a", "a2"]
+    assert mem.counters.snapshot()["local_writebacks"] == 2
 
 
 def test_tenants_do_not_share_dedup_or_index() -> None:
@@ -372,7 +385,9 @@ async def test_async_store_outage_degrades_and_recovers() -> None:
     assert check_no_loss(blocks(3, 1), degraded.messages).ok
     store.up = True
     turn = await mem.prepare("c", "q", blocks(3, 1))
-    assert not turn.degraded and await mem.commit(turn, "a") == 1
+    # the degraded turn (its conversation unknown here: number 0) was kept and written back as turn 1
+    assert not turn.degraded and turn.turn == 2 and turn.messages[2]["content"] == "a"
+    assert await mem.commit(turn, "a") == 2
     again = await mem.prepare("c", "q", blocks(3, 1))
     assert {d.status for d in again.decisions} == {"referenced"}
     assert mem.counters.snapshot()["fallbacks"] == 1
