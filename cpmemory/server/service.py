@@ -39,6 +39,7 @@ from cpmemory.errors import (
     StoreUnavailableError,
 )
 from cpmemory.facade import IndexEvictor
+from cpmemory.hosted.transport import upstream_info
 from cpmemory.routing.dispatch import NO_HINT, Dispatcher, DispatchResult, RouteHint, StreamDispatch
 from cpmemory.routing.router import RouteDecision, conversation_affinity_key
 from cpmemory.server.budget import MAX_REPLANS, EngineLimits, requested_answer_tokens, tighter_budget
@@ -267,7 +268,7 @@ class ProxyService(TurnPlacement):
         overhead = time.perf_counter() - started - result.engine_seconds - slot.waited_s  # a wait has its histogram
         info = self.turn_info(turn, prepared, result.decision, result.failovers, result.response.get("usage"),
                               committed, overhead)
-        return TurnOutcome({**result.response, "cpmemory": info})
+        return TurnOutcome({**result.response, "cpmemory": {**upstream_info(result.response), **info}})
 
     async def open_turn_stream(self, request: ChatCompletionRequest, tenant: str, turn: TurnInput,
                                prepared: PreparedTurn, admission: Admission | None = None) -> OpenedStream:
