@@ -26,7 +26,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -106,26 +106,71 @@ class EngineBudget:
         tokenizer: a local tokenizer of the served model (``LocalTokenizer``) that counts instead of ``/tokenize``.
     """
 
-    def __init__(self, client: Any, tokenizer: Any = None) -> None:
+    def __init__(self, client: Any, tokenizer: Any = None, *, clock: Callable[[], float] = time.monotonic) -> None:
         self._client = client
         self._tokenizer = tokenizer
+        self._clock = clock
+        # every map below is keyed by a model the engine lists (served_model), "" while none is known: a client's
+        # ``model`` string never adds an entry, whatever it is
+        self._served: dict[str, int | None] = {}  # served model -> its max_model_len, from /v1/models
+        self._listed_at: float | None = None  # when /v1/models last answered or failed
+        self._listing: asyncio.Future[None] | None = None
         self._limits: dict[str, EngineLimits] = {}
         self._ratio: dict[str, tuple[int, float]] = {}  # model -> (prompts counted, largest engine/planned ratio)
         self._checking: dict[str, asyncio.Future[EngineLimits]] = {}  # model -> its limits being asked
+
+    def served_model(self, model: str) -> str:
+        """The model a request for ``model`` is counted under: ``model`` when the engine lists it, else the first
+        model it lists (a name it does not serve is refused by vLLM, or mapped by a gateway: either way the limits
+        asked are the served model's), "" before the engine has listed any. Pure; O(1)."""
+        if model in self._served:
+            return model
+        return next(iter(self._served), "")
+
+    async def _list_models(self, model: str | None) -> None:
+        """Ask ``/v1/models`` (one call shared by concurrent callers) when it never answered, or when it failed or
+        does not list ``model`` and ``RETRY_AFTER_S`` has passed since it was last asked: unknown names cost at most
+        one call per ``RETRY_AFTER_S`` together. Never raises."""
+        listed_at = self._listed_at
+        if listed_at is not None and (model is None or model in self._served or self._clock() - listed_at
+                                      < RETRY_AFTER_S):
+            return
+        if self._listing is None:
+            self._listing = asyncio.ensure_future(self._fetch_models())
+
+            def done(_: Any) -> None:
+                self._listing = None
+
+            self._listing.add_done_callback(done)
+        await asyncio.shield(self._listing)
+
+    async def _fetch_models(self) -> None:
+        try:
+            listed = await self._client.models()
+        except Exception as error:  # noqa: BLE001 - an engine without /v1/models (or not up yet) gives no budget
+            logger.debug("GET /v1/models failed: %s", error)
+            listed = None
+        self._listed_at = self._clock()
+        entries = listed.get("data") if isinstance(listed, Mapping) else None
+        served = {entry["id"]: model_len(listed, entry["id"]) for entry in entries if isinstance(entry, Mapping)
+                  and isinstance(entry.get("id"), str) and entry["id"]} if isinstance(entries, list) else {}
+        if served or listed is not None:
+            self._served = served
 
     def should_count(self, model: str, planned: int, budget: int, upper_bound: int | None = None) -> bool:
         """Whether the engine must count a prompt planned at ``planned`` tokens (see the module docstring); never
         when ``upper_bound`` (:meth:`EngineLimits.upper_bound`) fits the budget."""
         if upper_bound is not None and upper_bound <= budget:
             return False
-        counted, ratio = self._ratio.get(model, (0, 0.0))
+        counted, ratio = self._ratio.get(self.served_model(model), (0, 0.0))
         assumed = max(ratio, UNLEARNED_RATIO) if counted < LEARN_COUNTS else max(ratio, 1.0)
         return planned * assumed * COUNT_SLACK > budget
 
     def observe(self, model: str, planned: int, engine_tokens: int) -> None:
-        """Remember the engine's count of a prompt planned at ``planned`` tokens."""
-        counted, ratio = self._ratio.get(model, (0, 0.0))
-        self._ratio[model] = (counted + 1, max(ratio, engine_tokens / max(1, planned)))
+        """Remember the engine's count of a prompt planned at ``planned`` tokens (under :meth:`served_model`)."""
+        key = self.served_model(model)
+        counted, ratio = self._ratio.get(key, (0, 0.0))
+        self._ratio[key] = (counted + 1, max(ratio, engine_tokens / max(1, planned)))
 
     def learn(self, model: str, planned: int | None, engine_tokens: int | None) -> None:
         """An answered prompt: the engine's ``usage.prompt_tokens`` of a prompt the facade planned at ``planned``
@@ -142,7 +187,7 @@ class EngineBudget:
         prefix and costs the cache) well before the engine's context is full; prompts that could still exceed the
         engine's limit are counted exactly before they are sent (:meth:`should_count` keeps assuming no
         over-count)."""
-        counted, ratio = self._ratio.get(model, (0, 0.0))
+        counted, ratio = self._ratio.get(self.served_model(model), (0, 0.0))
         if counted < LEARN_COUNTS or ratio <= 0:
             return budget
         return max(1, int(budget / ratio * PLAN_MARGIN))
@@ -157,19 +202,23 @@ class EngineBudget:
         self._tokenizer = tokenizer
 
     async def limits(self, model: str) -> EngineLimits:
-        """The engine's limits for ``model`` (asked once; again after RETRY_AFTER_S when it did not answer).
+        """The engine's limits for the model a request names: those of :meth:`served_model` (asked once per model
+        the engine lists; again after RETRY_AFTER_S when it did not answer). Bounded: one entry per listed model.
 
         Concurrent callers share one check: a burst reaching a fresh proxy asked ``/v1/models`` and ``/tokenize``
         once per request (64 LoCoMo questions at once: 64 of each, queued at the engine's API server behind the
-        burst, seconds of each question's time)."""
-        known = self._limits.get(model)
-        if known is not None and (known.max_model_len is not None or time.monotonic() - known.checked_at
+        burst, seconds of each question's time). A name the engine does not list costs no call of its own
+        (:meth:`_list_models`)."""
+        await self._list_models(model)
+        key = self.served_model(model)
+        known = self._limits.get(key)
+        if known is not None and (known.max_model_len is not None or self._clock() - known.checked_at
                                   < RETRY_AFTER_S):
             return known
-        checking = self._checking.get(model)
+        checking = self._checking.get(key)
         if checking is None:
-            checking = self._checking[model] = asyncio.ensure_future(self._check(model))
-            checking.add_done_callback(lambda _: self._checking.pop(model, None))
+            checking = self._checking[key] = asyncio.ensure_future(self._check(key))
+            checking.add_done_callback(lambda _: self._checking.pop(key, None))
         return await asyncio.shield(checking)
 
     async def warm(self) -> None:
@@ -177,36 +226,23 @@ class EngineBudget:
         them known. Without it a burst reaching a fresh proxy waited in ``prepare`` for the one shared check, behind
         the burst's own parsing, and that wait was counted as the proxy's overhead. Never raises: an engine that is
         not up yet is asked on the first request, as before."""
-        try:
-            listed = await self._client.models()
-        except Exception as error:  # noqa: BLE001 - the engine may start after the proxy
-            logger.debug("GET /v1/models at start failed: %s", error)
-            return
-        entries = listed.get("data") if isinstance(listed, Mapping) else None
-        for entry in entries if isinstance(entries, list) else []:
-            model = entry.get("id") if isinstance(entry, Mapping) else None
-            if isinstance(model, str) and model and model not in self._limits:
+        await self._list_models(None)
+        for model in list(self._served):
+            if model not in self._limits:
                 await self.limits(model)
 
     async def _check(self, model: str) -> EngineLimits:
-        length = await self._model_len(model)
+        length = self._served.get(model)
         template = await self.count(model, [{"role": "user", "content": "ping"}]) if length is not None else None
-        limits = EngineLimits(length, template is not None, time.monotonic(), template)
+        limits = EngineLimits(length, template is not None, self._clock(), template)
         self._limits[model] = limits
         return limits
-
-    async def _model_len(self, model: str) -> int | None:
-        try:
-            return model_len(await self._client.models(), model)
-        except Exception as error:  # noqa: BLE001 - an engine without /v1/models gives no budget
-            logger.debug("GET /v1/models failed: %s", error)
-            return None
 
     async def count(self, model: str, messages: Sequence[Mapping[str, str]]) -> int | None:
         """The engine's token count of a chat prompt (template applied), or None when ``/tokenize`` fails."""
         try:
             counter = self._tokenizer if self._tokenizer is not None else self._client
-            return len(await counter.tokenize([dict(m) for m in messages], model=model))
+            return len(await counter.tokenize([dict(m) for m in messages], model=self.served_model(model) or model))
         except Exception as error:  # noqa: BLE001 - counted as "no /tokenize"
             logger.debug("POST /tokenize failed: %s", error)
             return None

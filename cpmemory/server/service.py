@@ -325,6 +325,10 @@ class ProxyService(TurnPlacement):
         started = time.perf_counter()
         if prepared is not None:
             if collector.complete:
+                # counted as a whole answer's turn is (turn_info)
+                self.metrics.tokens_deduplicated.inc(
+                    turn_counts(prepared, self.memory.config.chars_per_token)["dedup_tokens_saved"])
+                self.metrics.observe_blocks([decision_dict(item)["status"] for item in prepared.decisions])
                 if opened.registration is not None:
                     self._learn_tokens(opened.registration.payload.get("model"), prepared, collector.usage)
                 if await self.commit(prepared, collector.answer) and opened.registration is not None:

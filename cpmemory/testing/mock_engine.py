@@ -22,7 +22,7 @@ import json
 import re
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -68,11 +68,13 @@ class MockEngine:
 
     def __init__(self, *, block_size: int = 16, capacity_blocks: int = 256, model: str = "tiny",
                  prefill_s_per_token: float = 0.0, listener: FrameListener | None = None,
-                 reply: Reply | None = None, max_model_len: int = 1 << 20, token_bytes: int = 1) -> None:
+                 reply: Reply | None = None, max_model_len: int = 1 << 20, token_bytes: int = 1,
+                 records: int | None = None) -> None:
         """An empty cache of ``capacity_blocks`` blocks of ``block_size`` tokens; ``reply`` makes choice 0's
         answer from the request body (default ``"ok"``; choice ``i > 0`` answers it followed by ``" #i"``);
         ``max_model_len`` is what ``/v1/models`` and ``/tokenize`` report; ``token_bytes``: UTF-8 bytes per token
-        (1: :func:`mock_tokenize`; more: a tokenizer more frugal than cpmemory's default estimate)."""
+        (1: :func:`mock_tokenize`; more: a tokenizer more frugal than cpmemory's default estimate); ``records``: keep
+        only the latest this many ``requests`` and ``batches`` (None: every one, as tests read them)."""
         self.reply = reply or _reply_ok
         self.hasher = BlockHasher(block_size)
         self.capacity_blocks = capacity_blocks
@@ -82,8 +84,9 @@ class MockEngine:
         self.prefill_s_per_token = prefill_s_per_token
         self.listener = listener
         self.down = False
-        self.batches: list[EventBatch] = []
-        self.requests: list[dict[str, Any]] = []
+        self.batches: list[EventBatch] | deque[EventBatch] = [] if records is None else deque(maxlen=records)
+        self.requests: list[dict[str, Any]] | deque[dict[str, Any]] = [] if records is None else deque(maxlen=records)
+        self._chats = 0  # chat requests received (their default ids)
         self._lock = threading.Lock()
         self._cache: OrderedDict[int, None] = OrderedDict()
         self._sequence = 0
@@ -196,10 +199,11 @@ class MockEngine:
         import httpx
 
         body = json.loads(request.content or b"{}")
-        request_id = request.headers.get("x-request-id") or body.get("request_id") or f"mock-{len(self.requests)}"
+        request_id = request.headers.get("x-request-id") or body.get("request_id") or f"mock-{self._chats}"
         tokens = self.tokenize(render_chatml(body.get("messages") or []))
         cached = self._run_prefill(tokens, body.get("cache_salt"))
         self.requests.append({"request_id": request_id, "body": body, "cached_tokens": cached})
+        self._chats += 1
         if self.prefill_s_per_token:
             time.sleep((len(tokens) - cached) * self.prefill_s_per_token)
         answer = self.reply(body)
