@@ -11,6 +11,7 @@ import typer
 
 from cpmemory.bench import conversation, core_bench, demo, hold_bench, load, plan_bench, replay, serve, store_bench
 from cpmemory.server import command as serve_command
+from cpmemory.testing import mock_server
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Context reuse for long-context LLM agents.")
 bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks that print figures (tables, or one JSON object).")
@@ -18,6 +19,7 @@ app.add_typer(bench_app, name="bench")
 
 app.command("demo", help="Run the embedded default end to end and compare with the original order.")(demo.command)
 app.command("serve", help="Start the OpenAI-compatible proxy in front of one or more engines.")(serve_command.command)
+app.command("mock-engine", help="Serve a mock OpenAI-compatible engine (no GPU, no model) to try the proxy.")(mock_server.command)
 bench_app.command("core", help="Index build / search / reorder / dedup speed and memory.")(core_bench.command)
 bench_app.command("store", help="Session store latency and round trips (memory, Redis, Redis Cluster).")(
     store_bench.command
