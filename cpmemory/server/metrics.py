@@ -81,6 +81,13 @@ class ProxyMetrics:
             "cpmemory_gateway_attributions", "Behind a gateway: turns by the replica that served them, as its KV "
             "events told (unknown: no replica stood out)", ["replica"], registry=registry)
         self._hold_metrics(Counter, Gauge, Histogram)
+        self.history_reconciled = Counter(  # cpmemory.session.reconcile
+            "cpmemory_history_reconciled", "Turns by how the client's history was used (matched: planned from the "
+            "committed transcript; diverged: sent as given; none: no history sent; unchecked: nothing to compare "
+            "with during a store outage)", ["outcome"], registry=registry)
+        self.history_dropped = Counter(
+            "cpmemory_history_dropped", "History left out of prompts by a token budget or the turn window, by unit "
+            "(messages, turns)", ["unit"], registry=registry)
         self.fit_admissions = Counter(
             "cpmemory_fit_admissions", "Turns admitted by cache-fit admission, by reason (live: the conversation "
             "was being served; room: its history fits; timeout: it waited max_wait and went over the cache)",

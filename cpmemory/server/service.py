@@ -176,9 +176,18 @@ class ProxyService(TurnPlacement):
         if budget is not None and request is not None and self.engine_budget is not None:
             planning = self.engine_budget.planning_budget(request.model, budget)
         prepared = await self._prepare_once(tenant, turn, planning)
-        if budget is None or limits is None or not limits.tokenize:
-            return prepared
-        return await self._fit_engine_count(tenant, turn, request, budget, prepared, limits)
+        if budget is not None and limits is not None and limits.tokenize:
+            prepared = await self._fit_engine_count(tenant, turn, request, budget, prepared, limits)
+        self._count_history(prepared)
+        return prepared
+
+    def _count_history(self, prepared: PreparedTurn) -> None:
+        """How the turn used the client's history, and what its prompt left out (``/metrics``)."""
+        self.metrics.history_reconciled.labels(outcome=prepared.history).inc()
+        messages, turns = prepared.history_dropped
+        if messages:
+            self.metrics.history_dropped.labels(unit="messages").inc(messages)
+            self.metrics.history_dropped.labels(unit="turns").inc(turns)
 
     async def _prepare_once(self, tenant: str, turn: TurnInput, budget: int | None) -> PreparedTurn:
         options: dict[str, Any] = {} if budget is None else {"max_prompt_tokens": budget}
@@ -375,16 +384,19 @@ class ProxyService(TurnPlacement):
         self.metrics.observe_blocks([item["status"] for item in decisions])
         self.metrics.overhead.observe(max(0.0, overhead_s))
         degraded = prepared.degraded
-        if degraded:  # the store was down at prepare: the turn went through in full and nothing was recorded
+        kept = degraded and committed  # the store was down: kept by the facade, written back when it returns
+        if degraded:  # the store was down at prepare: the turn went through in full, with the local history
             self.metrics.fallbacks.labels(kind="store").inc()
             committed = False
+        messages, turns = prepared.history_dropped
         return {
             "conversation_id": turn.conversation_id, "turn": prepared.turn,
             "request_id": engine_request_id(prepared), "replica": decision.index, "route_reason": decision.reason,
             "failovers": failovers, "decisions": decisions, "cached_tokens": cached_tokens,
             "prompt_tokens": prompt_tokens, "tokens_deduplicated": deduplicated, "degraded": degraded,
             "committed": committed, "overhead_ms": round(max(0.0, overhead_s) * 1000, 3),
-            "prompt_budget": prepared.budget,
+            "prompt_budget": prepared.budget, "history": prepared.history,
+            "history_dropped": {"messages": messages, "turns": turns}, "kept_locally": kept,
         }
 
     def _count_engine(self, decision: RouteDecision, failovers: int, usage: Any, hint: RouteHint = NO_HINT) -> None:
