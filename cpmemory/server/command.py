@@ -150,13 +150,14 @@ def command(
 ) -> None:
     """Start the proxy (blocks until interrupted)."""
     try:
-        import uvicorn
+        import uvicorn  # noqa: F401 - checked here, run by cpmemory.server.launch
     except ImportError:
         typer.echo("uvicorn is not installed; run: pip install 'cpmemory[server]'", err=True)
         raise typer.Exit(code=2) from None
     from pydantic import ValidationError
 
     from cpmemory.server.app import create_app
+    from cpmemory.server.launch import serve
 
     engine, kv_events, api_key = engine or [], kv_events or [], api_key or []
     if not engine and upstream is None:
@@ -185,4 +186,4 @@ def command(
     except (InvalidInputError, MissingDependencyError) as error:
         typer.echo(f"error: {error}", err=True)
         raise typer.Exit(code=2) from error
-    uvicorn.run(app, host=host, port=port, log_level=log_level)
+    serve(app, config, host=host, port=port, log_level=log_level)  # checks the store first
