@@ -8,7 +8,11 @@ Everything here is sans-IO: it never calls the facade itself, so the sync and as
 1. turns the framework's results into blocks (``Block``), in the framework's relevance order;
 2. calls ``CpMemory.prepare`` / ``AsyncCpMemory.prepare`` (the only IO step);
 3. hands the framework's own objects back in *prompt order*, each carrying :func:`decision_fields`;
-4. keeps the prepared turn in :class:`PendingTurns` until the caller commits the answer or aborts.
+4. keeps the prepared turn in :class:`PendingTurns` until the caller commits the answer or aborts (bounded: the
+   oldest conversations' turns are handed back to be aborted, and counted).
+
+Every value an adapter writes into a framework's objects is plain JSON (statuses are ``str``, not
+:class:`cpmemory.types.Status`), so checkpointers that refuse unknown types (LangGraph's strict msgpack) keep them.
 
 Fallback shared by every adapter: when no conversation id is known, the results are passed through in their
 original order, nothing is de-duplicated, and :func:`passthrough_messages` shows every block in full.
@@ -17,6 +21,7 @@ original order, nothing is de-duplicated, and :func:`passthrough_messages` shows
 from __future__ import annotations
 
 import threading
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -39,6 +44,21 @@ DERIVED_ID_PREFIX = "hash:"
 
 FULL_STATUSES = FULL_TEXT_STATUSES | {STATUS_PASSTHROUGH}
 """Statuses whose block text is sent in full in this turn's prompt."""
+
+DEFAULT_PENDING_LIMIT = 10_000
+"""Pending turns an adapter keeps when its facade does not say (``CpMemoryConfig.max_pending_turns``'s default)."""
+
+
+def plain_status(status: Any) -> str:
+    """``status`` as a plain ``str`` (a :class:`~cpmemory.types.Status` member's value), for framework objects."""
+    return str(status.value) if isinstance(status, Status) else str(status)
+
+
+def pending_limit(memory: Any) -> int:
+    """How many pending turns an adapter over ``memory`` keeps: the facade's ``max_pending_turns`` (it forgets
+    older prepared turns past that bound itself), else :data:`DEFAULT_PENDING_LIMIT`."""
+    limit = getattr(getattr(memory, "config", None), "max_pending_turns", None)
+    return limit if isinstance(limit, int) and not isinstance(limit, bool) and limit >= 1 else DEFAULT_PENDING_LIMIT
 
 
 class PassthroughWarning(UserWarning):
@@ -99,7 +119,7 @@ def assign_blocks(entries: Sequence[tuple[str | None, str, str | None]]) -> Bloc
         if not block_id:
             block_id, notes[rank]["id_derived"] = DERIVED_ID_PREFIX + (hint or content_hash(text)), True
         if not text.strip():
-            notes[rank]["status"] = STATUS_EMPTY
+            notes[rank]["status"] = plain_status(STATUS_EMPTY)
         else:
             candidates.append((rank, Block(block_id, text, {"rank": rank})))
     resolved = resolve_blocks([block for _, block in candidates])
@@ -107,7 +127,7 @@ def assign_blocks(entries: Sequence[tuple[str | None, str, str | None]]) -> Bloc
     first_rank: dict[int, int] = {}
     for (rank, block), index in zip(candidates, resolved.item_block):
         if index in first_rank:
-            notes[rank].update(status=STATUS_DUPLICATE, duplicate_of=first_rank[index])
+            notes[rank].update(status=plain_status(STATUS_DUPLICATE), duplicate_of=first_rank[index])
             continue
         first_rank[index] = rank
         item_block[rank] = index
@@ -119,7 +139,7 @@ def assign_blocks(entries: Sequence[tuple[str | None, str, str | None]]) -> Bloc
 def decision_fields(turn: PreparedTurnLike, decision: DecisionLike) -> dict[str, Any]:
     """Return the ``cpmemory`` field attached to one result: what cpmemory decided for it. Pure."""
     return {
-        "status": decision.status,
+        "status": plain_status(decision.status),
         "label": decision.label,
         "original_rank": decision.original_rank,
         "prompt_position": decision.prompt_position,
@@ -134,7 +154,7 @@ def decision_fields(turn: PreparedTurnLike, decision: DecisionLike) -> dict[str,
 def passthrough_fields(original_rank: int, reason: str) -> dict[str, Any]:
     """Return the ``cpmemory`` field of a result passed through untouched (sent in full, original order)."""
     return {
-        "status": STATUS_PASSTHROUGH,
+        "status": plain_status(STATUS_PASSTHROUGH),
         "label": None,
         "original_rank": original_rank,
         "prompt_position": original_rank,
@@ -199,25 +219,58 @@ def facade_system_prompt(memory: Any, override: str | None) -> str | None:
 
 
 class PendingTurns:
-    """Prepared turns not yet committed or aborted, one per conversation. Thread-safe.
+    """Prepared turns not yet committed or aborted, one per conversation, at most ``limit`` of them. Thread-safe.
 
-    A conversation has at most one turn in flight through an adapter: preparing a new turn replaces the previous
-    one, which :meth:`put` returns so the adapter can abort it (an aborted turn records nothing, so later turns
-    never refer to text that was not committed).
+    A conversation has at most one turn in flight through an adapter: preparing a new turn displaces the previous
+    one. Conversations that never commit must not pile up, so past ``limit`` conversations the oldest pending turn
+    is displaced too (counted in :attr:`evicted`). :meth:`put` returns every displaced turn for the adapter to
+    abort (an aborted turn records nothing, so later turns never refer to text that was not committed).
+
+    Args:
+        limit: the most pending turns kept (see :func:`pending_limit`).
+
+    Raises:
+        ValueError: ``limit`` is below 1.
     """
 
-    __slots__ = ("_lock", "_turns")
+    __slots__ = ("_evicted", "_limit", "_lock", "_turns")
 
-    def __init__(self) -> None:
+    def __init__(self, limit: int = DEFAULT_PENDING_LIMIT) -> None:
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+            raise ValueError(f"PendingTurns limit must be an integer >= 1, got {limit!r}")
         self._lock = threading.Lock()
-        self._turns: dict[str, Any] = {}
+        self._turns: OrderedDict[str, Any] = OrderedDict()
+        self._limit = limit
+        self._evicted = 0
 
-    def put(self, conversation_id: str, turn: Any) -> Any | None:
-        """Record ``turn`` as the conversation's pending turn; return the turn it replaces, if any. O(1)."""
+    @property
+    def limit(self) -> int:
+        """The most pending turns kept."""
+        return self._limit
+
+    @property
+    def evicted(self) -> int:
+        """Pending turns displaced because ``limit`` conversations were pending (oldest first), since creation."""
         with self._lock:
-            previous = self._turns.get(conversation_id)
+            return self._evicted
+
+    def put(self, conversation_id: str, turn: Any) -> list[Any]:
+        """Record ``turn`` as the conversation's pending turn. Mutates; amortised O(1).
+
+        Returns:
+            The turns displaced, for the caller to abort: the conversation's previous pending turn (if any), then
+            the oldest other conversations' turns over ``limit``.
+        """
+        with self._lock:
+            displaced = []
+            previous = self._turns.pop(conversation_id, None)
+            if previous is not None:
+                displaced.append(previous)
             self._turns[conversation_id] = turn
-            return previous
+            while len(self._turns) > self._limit:
+                displaced.append(self._turns.popitem(last=False)[1])
+                self._evicted += 1
+            return displaced
 
     def get(self, conversation_id: str) -> Any | None:
         """Return the conversation's pending turn, or None. Does not remove it. O(1)."""

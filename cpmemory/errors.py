@@ -125,11 +125,12 @@ class KVEventError(CpMemoryError):
 
 
 class MissingDependencyError(CpMemoryError, ImportError):
-    """An optional dependency is missing; the message names the install command."""
+    """An optional dependency is missing; the message names the install command (from a checkout: cpmemory is
+    not on a package registry)."""
 
     def __init__(self, extra: str, package: str, command: str | None = None) -> None:
         """Name the missing ``package`` and the command that installs it (default: cpmemory's ``extra``)."""
-        command = command or f"pip install 'cpmemory[{extra}]'"
+        command = command or f"pip install -e '.[{extra}]' (in a cpmemory checkout)"
         super().__init__(f"{package} is not installed; run: {command}")
         self.extra = extra
         self.package = package

@@ -39,4 +39,4 @@ def test_the_console_script_names_the_cli_extra_when_it_is_missing() -> None:
               "importlib.util.find_spec = lambda name, *a: None if name in ('typer', 'rich') else real(name, *a)\n"
               "from cpmemory._entry import main\nmain()\n")
     done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 2 and "pip install 'cpmemory[cli]'" in done.stderr
+    assert done.returncode == 2 and "pip install -e '.[cli]'" in done.stderr

@@ -6,7 +6,7 @@
 
 The graph's ``messages`` (kept by the checkpointer per ``thread_id``) hold the plain questions and answers for
 the application; the prompt sent to the model is cpmemory's, built from the conversation's stored transcript, so
-a document shown in an earlier turn is referenced instead of sent again. Needs the ``langgraph`` extra (``pip install 'langchain-cpmemory[langgraph]'``).
+a document shown in an earlier turn is referenced instead of sent again. Needs the ``langgraph`` extra (``pip install -e . -e 'integrations/langchain-cpmemory[langgraph]'`` from a checkout).
 """
 
 from __future__ import annotations

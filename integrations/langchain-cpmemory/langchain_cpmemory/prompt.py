@@ -39,6 +39,7 @@ from cpmemory.adapters import (
     facade_system_prompt,
     online_order,
     passthrough_messages,
+    pending_limit,
 )
 from langchain_cpmemory.documents import (
     METADATA_KEY,
@@ -51,7 +52,13 @@ from langchain_cpmemory.documents import (
     relevance_order,
     same_documents,
 )
-from langchain_cpmemory.turns import DEFAULT_CONVERSATION_KEY, TurnKeeper, acall_facade, call_facade
+from langchain_cpmemory.turns import (
+    DEFAULT_CONVERSATION_KEY,
+    SharedPendingTurns,
+    TurnKeeper,
+    acall_facade,
+    call_facade,
+)
 
 SENT_DOCUMENTS_KEPT = 1024
 """Conversations whose last prompt's documents :meth:`CpMemoryPromptRunnable.sent_documents` keeps (oldest dropped)."""
@@ -62,7 +69,8 @@ class CpMemoryPromptRunnable(TurnKeeper, Runnable[Mapping[str, Any], list[BaseMe
 
     Args:
         memory: a ``cpmemory.CpMemory`` or ``AsyncCpMemory``; None builds a ``CpMemory``.
-        pending: pending turns to share with a retriever (``CpMemoryRetriever.prompt()`` passes its own).
+        pending: pending turns to share with a retriever (``CpMemoryRetriever.prompt()`` passes its own); None
+            makes a set bounded by the facade's ``max_pending_turns`` (the oldest beyond it are aborted).
         conversation_key: the ``configurable`` key naming the conversation (default ``"thread_id"``).
         id_key: the metadata key holding a Document's id when ``Document.id`` is unset.
         tenant: the cpmemory tenant.
@@ -86,7 +94,9 @@ class CpMemoryPromptRunnable(TurnKeeper, Runnable[Mapping[str, Any], list[BaseMe
 
             memory = CpMemory()
         self.memory = memory
-        self._pending = pending if pending is not None else PendingTurns()
+        self._pending = pending if pending is not None else PendingTurns(pending_limit(memory))
+        if isinstance(self._pending, SharedPendingTurns):
+            self._pending.prompt_attached = True  # the retriever's turns reach a cpmemory prompt
         self._sent: dict[str, list[Document]] = {}
         self._sent_lock = threading.Lock()
         self.conversation_key = conversation_key
@@ -189,8 +199,7 @@ class CpMemoryPromptRunnable(TurnKeeper, Runnable[Mapping[str, Any], list[BaseMe
                 return self._passthrough(parsed)
             args, options, assignment = self._prepare_call(parsed, conversation)
             turn = call_facade(self.memory, "prepare", *args, **options)
-            stale = self._replace(conversation, turn)
-            if stale is not None:
+            for stale in self._replace(conversation, turn):
                 call_facade(self.memory, "abort", stale)
             self._note_sent(conversation, parsed, turn, assignment)
         elif conversation is not None:
@@ -207,8 +216,7 @@ class CpMemoryPromptRunnable(TurnKeeper, Runnable[Mapping[str, Any], list[BaseMe
                 return self._passthrough(parsed)
             args, options, assignment = self._prepare_call(parsed, conversation)
             turn = await acall_facade(self.memory, "prepare", *args, **options)
-            stale = self._replace(conversation, turn)
-            if stale is not None:
+            for stale in self._replace(conversation, turn):
                 await acall_facade(self.memory, "abort", stale)
             self._note_sent(conversation, parsed, turn, assignment)
         elif conversation is not None:

@@ -26,14 +26,21 @@ from langchain_core.runnables import RunnableConfig
 from langchain_core.runnables.config import ensure_config
 from pydantic import ConfigDict, Field, PrivateAttr
 
-from cpmemory.adapters import PassthroughWarning, PendingTurns, online_order
+from cpmemory.adapters import PassthroughWarning, online_order, pending_limit
 from langchain_cpmemory.documents import (
     annotate_passthrough,
     annotate_prepared,
     conversation_from_config,
     documents_to_blocks,
 )
-from langchain_cpmemory.turns import DEFAULT_CONVERSATION_KEY, TurnKeeper, acall_facade, call_facade
+from langchain_cpmemory.turns import (
+    DEFAULT_CONVERSATION_KEY,
+    SharedPendingTurns,
+    TurnKeeper,
+    acall_facade,
+    call_facade,
+    warn_no_prompt,
+)
 
 NO_CONVERSATION_REASON = "no conversation id in config['configurable']"
 
@@ -66,7 +73,22 @@ class CpMemoryRetriever(TurnKeeper, BaseRetriever):
     tenant: str = "default"
     system_prompt: str | None = None
     max_prompt_tokens: int | None = None
-    _pending: PendingTurns = PrivateAttr(default_factory=PendingTurns)
+    _pending: SharedPendingTurns = PrivateAttr(default=None)  # type: ignore[assignment]
+    _turns_prepared: int = PrivateAttr(default=0)
+    _warned_no_prompt: bool = PrivateAttr(default=False)
+
+    def model_post_init(self, context: Any, /) -> None:
+        """Size the pending turns by the facade's ``max_pending_turns`` (the oldest beyond it are aborted)."""
+        super().model_post_init(context)
+        self._pending = SharedPendingTurns(pending_limit(self.memory))
+
+    def _check_prompt(self) -> None:
+        """Warn once when turns are prepared or committed and no prompt runnable shares them (from the second
+        prepared turn on: ``retriever.prompt()`` may be made after the first retrieval)."""
+        if self._pending.prompt_attached or self._warned_no_prompt or self._turns_prepared < 2:
+            return
+        self._warned_no_prompt = True
+        warn_no_prompt(type(self).__name__)
 
     def invoke(self, input: str, config: RunnableConfig | None = None, **kwargs: Any) -> list[Document]:
         """Retrieve, then reorder / de-duplicate for the run's conversation (see the module docstring)."""
@@ -99,9 +121,10 @@ class CpMemoryRetriever(TurnKeeper, BaseRetriever):
         turn = call_facade(
             self.memory, "prepare", conversation_id, query, list(assignment.blocks), **self._options()
         )
-        stale = self._replace(conversation_id, turn)
-        if stale is not None:
+        for stale in self._replace(conversation_id, turn):
             call_facade(self.memory, "abort", stale)
+        self._turns_prepared += 1
+        self._check_prompt()
         return annotate_prepared(documents, assignment, turn)
 
     async def _aget_relevant_documents(
@@ -118,9 +141,10 @@ class CpMemoryRetriever(TurnKeeper, BaseRetriever):
             return self._passthrough(documents, assignment)
         blocks = list(assignment.blocks)
         turn = await acall_facade(self.memory, "prepare", conversation_id, query, blocks, **self._options())
-        stale = self._replace(conversation_id, turn)
-        if stale is not None:
+        for stale in self._replace(conversation_id, turn):
             await acall_facade(self.memory, "abort", stale)
+        self._turns_prepared += 1
+        self._check_prompt()
         return annotate_prepared(documents, assignment, turn)
 
     def _options(self) -> dict[str, Any]:

@@ -9,6 +9,7 @@ the sync path needs a sync facade; the async path awaits an async one or runs a 
 from __future__ import annotations
 
 import inspect
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -16,11 +17,41 @@ from langchain_core.messages import BaseMessage
 from langchain_core.runnables import RunnableConfig, RunnableLambda
 from langchain_core.runnables.config import ensure_config, run_in_executor
 
-from cpmemory.adapters import PendingTurns
+from cpmemory.adapters import DEFAULT_PENDING_LIMIT, PendingTurns
 from cpmemory.errors import CpMemoryError, InvalidInputError, ReservationError, UnknownReservationError
 from langchain_cpmemory.documents import conversation_from_config
 
 DEFAULT_CONVERSATION_KEY = "thread_id"
+
+
+class NoPromptWarning(UserWarning):
+    """Warned once per retriever: its turns are prepared, but no ``retriever.prompt()`` builds the prompt.
+
+    A prompt template of one's own shows every retrieved document in full, so nothing is de-duplicated (the
+    documents are only reordered). Build the messages with ``retriever.prompt()`` and record the answer with
+    ``retriever.committer()`` (or ``commit``).
+    """
+
+
+class SharedPendingTurns(PendingTurns):
+    """The pending turns a retriever shares with the prompt runnables made from it; knows whether one exists."""
+
+    __slots__ = ("prompt_attached",)
+
+    def __init__(self, limit: int = DEFAULT_PENDING_LIMIT) -> None:
+        super().__init__(limit)
+        self.prompt_attached = False
+
+
+def warn_no_prompt(owner: str) -> None:
+    """Warn (the caller warns once) that a retriever's turns reach no cpmemory prompt: nothing is de-duplicated."""
+    warnings.warn(
+        f"{owner}: documents are reordered, but no retriever.prompt() builds the prompt: a prompt template of your "
+        "own shows every document in full, so nothing is de-duplicated. Build the messages with retriever.prompt() "
+        "and record the answer with retriever.committer() (or retriever.commit). Warned once per retriever.",
+        NoPromptWarning,
+        stacklevel=4,
+    )
 
 
 def is_async_facade(memory: Any) -> bool:
@@ -173,6 +204,7 @@ class TurnKeeper:
             raise UnknownReservationError(f"no pending turn for conversation {conversation!r}")
         return conversation, turn
 
-    def _replace(self, conversation: str, turn: Any) -> Any | None:
-        """Record ``turn`` as pending; return the replaced (now stale) turn for the caller to abort."""
+    def _replace(self, conversation: str, turn: Any) -> list[Any]:
+        """Record ``turn`` as pending; return the turns it displaced (the conversation's previous one, the oldest
+        over the bound) for the caller to abort."""
         return self.pending.put(conversation, turn)

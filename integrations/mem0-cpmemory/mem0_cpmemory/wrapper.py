@@ -4,14 +4,19 @@
     from mem0_cpmemory import CpMemoryMem0
 
     memory = CpMemoryMem0(Memory.from_config(config))
-    found = memory.search("Where does Alice live?", user_id="alice", run_id="chat-42")
+    found = memory.search("Where does Alice live?", user_id="alice", conversation_id="chat-42")
     reply = llm(memory.chat_messages("chat-42"))          # the prompt for this turn
-    memory.commit("She lives in Lyon.", conversation_id="chat-42")
+    memory.commit(reply, conversation_id="chat-42")
 
 ``search`` returns Mem0's own shape, in prompt order, each item with a ``cpmemory`` field (status ``new`` /
 ``referenced`` / ``changed`` / ``partial`` / ``resent``, its ``label``, its ``original_rank``...). Every other Mem0
-method passes through unchanged. The conversation is ``conversation_id`` if given, else ``run_id`` (top level or in
-``filters``); with neither, results pass through in Mem0's order, nothing is de-duplicated, and
+method passes through unchanged.
+
+The conversation is ``conversation_id`` if given: it is cpmemory's alone and never reaches Mem0, so memories stored
+per user (``user_id``) are found in every conversation. Without it, ``run_id`` (top level or in ``filters``) names
+the conversation, but Mem0 also *filters* by ``run_id``: memories added without that ``run_id`` are not found. A
+search whose conversation came from ``run_id`` and that found nothing warns once per wrapper
+(:class:`RunIdFilterWarning`). With neither, results pass through in Mem0's order, nothing is de-duplicated, and
 ``chat_messages(None)`` shows every memory in full. Works with ``Memory`` / ``MemoryClient`` (sync) and
 ``AsyncMemory`` / ``AsyncMemoryClient`` (:class:`AsyncCpMemoryMem0`).
 """
@@ -30,6 +35,7 @@ from cpmemory.adapters import (
     facade_system_prompt,
     online_order,
     passthrough_messages,
+    pending_limit,
 )
 from cpmemory.errors import CpMemoryError, InvalidInputError, ReservationError, UnknownReservationError
 from mem0_cpmemory.results import (
@@ -39,8 +45,16 @@ from mem0_cpmemory.results import (
     parse_search_results,
 )
 
-NO_CONVERSATION_REASON = "no conversation id (pass run_id or conversation_id)"
+NO_CONVERSATION_REASON = "no conversation id (pass conversation_id)"
 _PASSTHROUGH_KEY = "\x00passthrough"  # cannot collide with a conversation id (a NUL never comes from Mem0)
+
+
+class RunIdFilterWarning(UserWarning):
+    """Warned (once per wrapper) when ``run_id`` named the conversation and Mem0's search found nothing.
+
+    Mem0 filters memories by ``run_id``: memories stored per user without that run id are not found. Name the
+    conversation with ``conversation_id=`` (cpmemory's alone, never sent to Mem0) instead.
+    """
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,7 +75,14 @@ class _Mem0Adapter:
         self._tenant = tenant
         self._system_prompt = system_prompt
         self._max_prompt_tokens = max_prompt_tokens
-        self._pending = PendingTurns()
+        self._pending = PendingTurns(pending_limit(cpmemory))
+        self._warned_run_id = False
+
+    @property
+    def pending(self) -> PendingTurns:
+        """Searches not yet committed or aborted, one per conversation; bounded by the facade's
+        ``max_pending_turns`` (the oldest are aborted, counted in ``pending.evicted``)."""
+        return self._pending
 
     @property
     def memory(self) -> Any:
@@ -104,11 +125,25 @@ class _Mem0Adapter:
         run_id = (arguments.get("filters") or {}).get("run_id")
         return run_id if isinstance(run_id, str) and run_id else None
 
+    def _check_found(self, conversation_id: str | None, conversation: str | None, parsed: ParsedResults) -> None:
+        """Warn once when ``run_id`` named the conversation and Mem0 found nothing (it filtered by that run id)."""
+        if conversation_id is not None or conversation is None or parsed.items or self._warned_run_id:
+            return
+        self._warned_run_id = True
+        warnings.warn(
+            f"CpMemoryMem0: search with run_id={conversation!r} as the conversation found no memories. Mem0 "
+            "filters by run_id, so memories stored without it (per user_id) are not found; name the conversation "
+            "with conversation_id= instead (cpmemory's own, never sent to Mem0). Warned once per wrapper.",
+            RunIdFilterWarning,
+            stacklevel=3,
+        )
+
     def _passthrough(
         self, query: str, parsed: ParsedResults, history: Sequence[Mapping[str, str]] | None
-    ) -> Any:
+    ) -> tuple[Any, list[Any]]:
+        """The pass-through answer, and the prepared turns it displaced (to abort)."""
         warnings.warn(
-            "CpMemoryMem0: search without run_id or conversation_id; blocks ordered online, nothing de-duplicated "
+            "CpMemoryMem0: search without conversation_id; blocks ordered online, nothing de-duplicated "
             "or recorded for a conversation",
             PassthroughWarning,
             stacklevel=3,
@@ -116,8 +151,9 @@ class _Mem0Adapter:
         system_prompt = facade_system_prompt(self._cpmemory, self._system_prompt)
         blocks = online_order(self._cpmemory, parsed.blocks, self._tenant)
         messages = passthrough_messages(query, blocks, history=history, system_prompt=system_prompt)
-        self._pending.put(_PASSTHROUGH_KEY, PassthroughTurn(messages))
-        return assemble_passthrough(parsed, NO_CONVERSATION_REASON)
+        displaced = self._pending.put(_PASSTHROUGH_KEY, PassthroughTurn(messages))
+        stale = [turn for turn in displaced if not isinstance(turn, PassthroughTurn)]
+        return assemble_passthrough(parsed, NO_CONVERSATION_REASON), stale
 
     def _prepare_kwargs(
         self, history: Sequence[Mapping[str, str]] | None, max_prompt_tokens: int | None = None
@@ -132,8 +168,8 @@ class _Mem0Adapter:
         """Return the chat messages of the conversation's pending turn (prepared by the last ``search``).
 
         Args:
-            conversation_id: the conversation (the ``run_id`` used in ``search``); None for the last search made
-                without one.
+            conversation_id: the conversation (the ``conversation_id``, or ``run_id``, used in ``search``); None for
+                the last search made without one.
 
         Raises:
             UnknownReservationError: no search is pending for that conversation.
@@ -235,8 +271,14 @@ class CpMemoryMem0(_Mem0Adapter):
     ) -> dict[str, Any] | list[dict[str, Any]]:
         """Search Mem0, then reorder / de-duplicate the results for this conversation's turn.
 
-        Mutates: prepares (reserves) a turn for the conversation, replacing (aborting) an uncommitted one.
+        Mutates: prepares (reserves) a turn for the conversation, replacing (aborting) an uncommitted one; past
+        the facade's ``max_pending_turns`` conversations the oldest uncommitted turn is aborted too (``pending``).
         Options left None use Mem0's defaults; other keyword options go to Mem0 unchanged.
+
+        Args:
+            conversation_id: the conversation this search is a turn of (cpmemory's own; never sent to Mem0, so
+                ``user_id`` memories are found in every conversation). Without it ``run_id`` names the
+                conversation (Mem0 then also filters by it); with neither, the results pass through.
 
         Returns:
             Mem0's answer in its own shape, items in prompt order, each with a ``cpmemory`` field.
@@ -249,15 +291,18 @@ class CpMemoryMem0(_Mem0Adapter):
             user_id, agent_id, run_id, filters, options, conversation_id
         )
         parsed = parse_search_results(self._memory.search(query, **arguments))
+        self._check_found(conversation_id, conversation, parsed)
         if conversation is None:
-            return self._passthrough(query, parsed, history)
-        turn = self._cpmemory.prepare(
-            conversation, query, list(parsed.blocks), **self._prepare_kwargs(history, max_prompt_tokens)
-        )
-        replaced = self._pending.put(conversation, turn)
-        if replaced is not None:
-            self._cpmemory.abort(replaced)
-        return assemble_prepared(parsed, turn)
+            answer, stale = self._passthrough(query, parsed, history)
+        else:
+            turn = self._cpmemory.prepare(
+                conversation, query, list(parsed.blocks), **self._prepare_kwargs(history, max_prompt_tokens)
+            )
+            answer, stale = assemble_prepared(parsed, turn), self._pending.put(conversation, turn)
+        for displaced in stale:
+            if not isinstance(displaced, PassthroughTurn):
+                self._cpmemory.abort(displaced)
+        return answer
 
     def commit(self, answer: str, *, conversation_id: str | None = None) -> int:
         """Record the model's answer for the conversation's pending turn; return the committed turn number.
@@ -374,14 +419,19 @@ class AsyncCpMemoryMem0(_Mem0Adapter):
             user_id, agent_id, run_id, filters, options, conversation_id
         )
         parsed = parse_search_results(await self._memory.search(query, **arguments))
+        self._check_found(conversation_id, conversation, parsed)
         if conversation is None:
-            return self._passthrough(query, parsed, history)
-        blocks: list[Block] = list(parsed.blocks)
-        turn = await self._cpmemory.prepare(conversation, query, blocks, **self._prepare_kwargs(history, max_prompt_tokens))
-        replaced = self._pending.put(conversation, turn)
-        if replaced is not None:
-            await self._cpmemory.abort(replaced)
-        return assemble_prepared(parsed, turn)
+            answer, stale = self._passthrough(query, parsed, history)
+        else:
+            blocks: list[Block] = list(parsed.blocks)
+            turn = await self._cpmemory.prepare(
+                conversation, query, blocks, **self._prepare_kwargs(history, max_prompt_tokens)
+            )
+            answer, stale = assemble_prepared(parsed, turn), self._pending.put(conversation, turn)
+        for displaced in stale:
+            if not isinstance(displaced, PassthroughTurn):
+                await self._cpmemory.abort(displaced)
+        return answer
 
     async def commit(self, answer: str, *, conversation_id: str | None = None) -> int:
         """Async :meth:`CpMemoryMem0.commit`."""

@@ -244,7 +244,7 @@ def test_import_without_langchain_names_the_install_command(monkeypatch: pytest.
     ]:
         monkeypatch.delitem(sys.modules, name)
     monkeypatch.setitem(sys.modules, "langchain_core", None)
-    with pytest.raises(MissingDependencyError, match="pip install langchain-cpmemory"):
+    with pytest.raises(MissingDependencyError, match="integrations/langchain-cpmemory"):
         importlib.import_module("langchain_cpmemory")
 
 

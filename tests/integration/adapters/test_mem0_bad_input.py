@@ -144,7 +144,7 @@ def test_import_without_mem0_names_the_install_command(monkeypatch: pytest.Monke
     monkeypatch.setitem(
         sys.modules, "mem0", None
     )  # what an uninstalled package looks like to the import system
-    with pytest.raises(MissingDependencyError, match="pip install mem0-cpmemory") as caught:
+    with pytest.raises(MissingDependencyError, match="integrations/mem0-cpmemory") as caught:
         importlib.import_module("mem0_cpmemory")
     assert isinstance(caught.value, ImportError)
 

@@ -222,15 +222,17 @@ def test_item10_mem0_commit_with_a_bad_answer_keeps_the_turn() -> None:
         wrapper.commit("late", conversation_id="r")
 
 
-def test_item10_mem0_commit_after_a_store_failure_can_be_retried() -> None:
+def test_item10_mem0_commit_during_a_store_outage_is_kept() -> None:
     store = FlakyStore()
     memory = CpMemory(store)
     wrapper = CpMemoryMem0(CannedMem0([{"id": "a", "memory": "A memory."}]), memory)
     wrapper.search("q", conversation_id="r")
     store.fail_commits = 1
-    with pytest.raises(StoreUnavailableError):
-        wrapper.commit("answer", conversation_id="r")
+    # the facade keeps a commit the store refused, to write it back: the turn is recorded, the count goes on
     assert wrapper.commit("answer", conversation_id="r") == 1
+    assert len(wrapper.pending) == 0
+    wrapper.search("q", conversation_id="r")
+    assert wrapper.commit("answer", conversation_id="r") == 2
 
 
 def test_item10_langchain_commit_errors_keep_the_turn() -> None:
@@ -242,9 +244,9 @@ def test_item10_langchain_commit_errors_keep_the_turn() -> None:
     with pytest.raises(InvalidInputError):
         retriever.commit(5, config)
     store.fail_commits = 1
-    with pytest.raises(StoreUnavailableError):
-        retriever.commit("answer", config)
-    assert retriever.commit("answer", config) == 1
+    assert retriever.commit("answer", config) == 1  # kept by the facade through the outage
+    with pytest.raises(UnknownReservationError):
+        retriever.commit("answer", config)  # committed once: nothing pending
     retriever.invoke("Lyon", config)
     with pytest.raises(InvalidInputError):
         retriever.commit(object(), config)
