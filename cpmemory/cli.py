@@ -9,7 +9,7 @@ from importlib.metadata import entry_points
 
 import typer
 
-from cpmemory.bench import conversation, core_bench, demo, hold_bench, load, plan_bench, replay, serve, store_bench
+from cpmemory.bench import conversation, core_bench, demo, hold_bench, load, plan_bench, serve, store_bench
 from cpmemory.server import command as serve_command
 from cpmemory.testing import mock_server
 
@@ -28,7 +28,6 @@ bench_app.command("conversation", help="One long conversation under a token budg
     conversation.command
 )
 bench_app.command("plan", help="plan_batch time and memory on a large seeded batch.")(plan_bench.command)
-bench_app.command("replay", help="Replay a trace or a real workload through every strategy.")(replay.command)
 bench_app.command("load", help="Concurrent conversations through the proxy: overhead, errors, lost blocks.")(
     load.command
 )
@@ -42,7 +41,7 @@ bench_app.command("serve", help="Replay a trace through the proxy on real engine
 # The research commands (trace replay, studies) live in the unshipped distribution `benchmarks/`
 # (cpmemory-benchmarks); it adds them through this entry-point group. Without it, these names say how to install it.
 BENCH_PLUGINS = "cpmemory.bench"
-RESEARCH_COMMANDS = ("replay", "hold", "accuracy", "hosted")
+RESEARCH_COMMANDS = ("replay", "accuracy", "hosted")
 INSTALL_HINT = (
     "`cpmemory bench {name}` is a research benchmark: it lives in benchmarks/ (cpmemory-benchmarks), not in the "
     "cpmemory package. From a checkout: `make setup`, or `pip install -e benchmarks`."

@@ -26,44 +26,18 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Hashable, Mapping, Sequence
-from dataclasses import dataclass
 from itertools import pairwise
 
 import numpy as np
 from scipy.sparse import coo_matrix, csr_matrix
 from scipy.sparse.csgraph import minimum_spanning_tree
 
+from cpmemory.bench.offline import RequestContent
 from cpmemory.bench.trace import Trace
 from cpmemory.core.blocks import content_hash
 from cpmemory.errors import InvalidInputError
 
 _PAIR_CHUNK = 4_000_000
-
-
-@dataclass(frozen=True, slots=True)
-class Segment:
-    """One content segment of a prompt: ``key`` identifies the content, ``tokens`` its token ids."""
-
-    key: Hashable
-    tokens: tuple[int, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class RequestContent:
-    """The content of one request's prompt, for the bounds.
-
-    Attributes:
-        segments: content segments (blocks, history turns, query), any order.
-        prompt_tokens: tokens of the whole prompt.
-    """
-
-    segments: tuple[Segment, ...]
-    prompt_tokens: int
-
-    @property
-    def frame_tokens(self) -> int:
-        """Prompt tokens not covered by a content segment (system prompt, template, headers)."""
-        return max(0, self.prompt_tokens - sum(len(segment.tokens) for segment in self.segments))
 
 
 def _occurrence_keys(content: RequestContent) -> list[tuple[Hashable, int]]:

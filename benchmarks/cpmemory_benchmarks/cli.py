@@ -18,6 +18,7 @@ class Study(NamedTuple):
 
 
 STUDIES: tuple[Study, ...] = (
+    Study("replay", "cpmemory_benchmarks.replay", "Replay a trace or a real workload through every strategy."),
     Study("accuracy", "cpmemory_benchmarks.accuracy", "Answer accuracy with and without cpmemory on a real model."),
     Study("hosted", "cpmemory_benchmarks.hosted", "Hosted providers' prompt caches with and without cpmemory."),
 )

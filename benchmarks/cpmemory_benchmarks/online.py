@@ -23,7 +23,7 @@ strategy's hit and prompt tokens of those requests wherever it ran them; the cac
 a share that rises there was lost to warm-up, one that does not is structural.
 
 With ``fleet`` (``--replicas N [--router prefix|affinity]``), each strategy runs on N simulated caches of
-``capacity / N`` behind the product's router instead of one cache (:mod:`cpmemory.bench.replicas`); every strategy
+``capacity / N`` behind the product's router instead of one cache (:mod:`cpmemory_benchmarks.replicas`); every strategy
 then also reports ``replica_load_max_over_mean`` and a ``replicas`` object (per-replica requests and hit rates,
 route decisions by reason). A multi-turn session is the router's conversation key (its later turns are sticky).
 """
@@ -37,14 +37,9 @@ from collections.abc import Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from cpmemory.bench.replay import (
-    FacadePromptBuilder,
-    PlainPromptBuilder,
-    PreparedRequest,
-    StrategyResult,
-    chat_tokens,
-)
-from cpmemory.bench.strategies import keep_turn_order
+from cpmemory.bench.offline import keep_turn_order
+from cpmemory.bench.prompts import FacadePromptBuilder, PlainPromptBuilder, PreparedRequest, chat_tokens
+from cpmemory.bench.results import StrategyResult
 from cpmemory.bench.trace import Trace
 from cpmemory.errors import InvalidInputError
 
@@ -337,7 +332,7 @@ def run_online_strategy(name: str, trace: Trace, prepared: Sequence[PreparedRequ
 
 def _serve(simulator: Any, tokens: list[int], trace: Trace, index: int) -> int:
     """Run one prompt on the cache, or on a fleet with the request's conversation (a session's later turn sticks)."""
-    from cpmemory.bench.replicas import ReplicaFleet
+    from cpmemory_benchmarks.replicas import ReplicaFleet
 
     if not isinstance(simulator, ReplicaFleet):
         return int(simulator.run(tokens))
@@ -407,8 +402,8 @@ def _redis(url: str | None) -> Iterator[str]:
 def _run_online(trace: Trace, prepared: Sequence[PreparedRequest], system_prompt: str, capacity: int, mode: str,
                 page_size: int | None, window: int, offline: dict[str, StrategyResult], strategies: Sequence[str],
                 progress: Any, workers: tuple[str, int, str] | None, fleet: Any = None) -> OnlineReport:
-    from cpmemory.bench.replicas import ReplicaFleet
     from cpmemory.bench.simulator import PrefixCacheSimulator
+    from cpmemory_benchmarks.replicas import ReplicaFleet
 
     unknown = set(strategies) - set(ONLINE_STRATEGIES)
     if unknown:

@@ -8,7 +8,7 @@ every strategy starts cold and the figures of one run compare.
 
 Example::
 
-    from cpmemory.bench.replay_real import measure
+    from cpmemory_benchmarks.replay_real import measure
     figures = measure([[{"role": "user", "content": "..."}], ...], "http://127.0.0.1:8000")
     figures["ttft_mean_ms"], figures["cached_tokens"]
 """
@@ -89,5 +89,5 @@ def measure(prompts: Sequence[Prompt], base_url: str, *, model: str = "tiny", re
 
 
 def replay_real(base_url: str, prompts: Sequence[Prompt], **options: Any) -> dict[str, Any]:
-    """Alias of :func:`measure` with the URL first (the form ``cpmemory.bench.replay`` calls)."""
+    """Alias of :func:`measure` with the URL first (the form ``cpmemory_benchmarks.replay`` calls)."""
     return measure(prompts, base_url, **options)

@@ -30,6 +30,18 @@ RouterName = Literal["prefix", "affinity"]
 ROUTERS: tuple[RouterName, ...] = ("prefix", "affinity")
 
 
+def router_name(text: str) -> RouterName:
+    """``text`` as a router name (a command-line value).
+
+    Raises:
+        InvalidInputError: not one of :data:`ROUTERS`.
+    """
+    for name in ROUTERS:
+        if text == name:
+            return name
+    raise InvalidInputError(f"--router must be one of {', '.join(ROUTERS)}, got {text!r}")
+
+
 @dataclass(frozen=True, slots=True)
 class FleetSettings:
     """How the replicas are simulated.

@@ -1,6 +1,6 @@
 """Seeded multi-turn workload through the facade: overhead, de-duplication savings and the no-loss invariant.
 
-Run ``python -m cpmemory.bench.selfcheck [--conversations N] [--turns T] [--json]``. Every prompt is checked with
+Run ``python -m cpmemory_benchmarks.selfcheck [--conversations N] [--turns T] [--json]``. Every prompt is checked with
 ``check_no_loss``; the figures are the facade's own cost (in-memory store, no LLM), the share of block characters
 not sent, and the number of invariant violations (must be 0).
 

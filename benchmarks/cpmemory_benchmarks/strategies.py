@@ -6,9 +6,9 @@
   FCFS -- the naive thing a user might try.
 * ``reorder`` / ``reorder+schedule``: the paper's offline pipeline (``cpmemory.core.ordering.reorder_batch``, then
   ``cpmemory.core.scheduling.schedule`` for the second).
-* ``contextpilot``: the authors' package (:mod:`cpmemory.bench.baseline_contextpilot`).
+* ``contextpilot``: the authors' package (:mod:`cpmemory_benchmarks.baseline_contextpilot`).
 * ``cpmemory``: ``cpmemory.core.planner.plan_batch`` for order and schedule (prompts are then built by the facade,
-  which adds de-duplication and annotations; see :mod:`cpmemory.bench.replay`).
+  which adds de-duplication and annotations; see :mod:`cpmemory.bench.prompts`).
 
 Every planner gets the same input: one context per request, the block keys in retrieval order (a key is the
 block's content hash, so equal texts are equal blocks). Multi-turn traces: a schedule may interleave sessions but
@@ -18,73 +18,20 @@ from __future__ import annotations
 
 import time
 from collections import Counter, OrderedDict, defaultdict
-from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass
+from collections.abc import Hashable, Sequence
 
-from cpmemory.errors import InvalidInputError
+from cpmemory.bench.offline import (
+    PlanInput,
+    Planner,
+    StrategyPlan,
+    check_permutations,
+    keep_turn_order,
+    plan_cpmemory,
+    plan_original,
+)
 
 STRATEGIES = ("original", "original+lpm", "popularity", "reorder", "reorder+schedule", "contextpilot", "cpmemory")
 LPM_WINDOW = 128
-
-
-@dataclass(frozen=True, slots=True)
-class StrategyPlan:
-    """What a strategy decided before the replay.
-
-    Attributes:
-        order: execution order (indices into the trace's requests); None means decided online (LPM).
-        contexts: each request's block keys in prompt order (a permutation of its input).
-        planning_seconds: wall time the planner took for the whole batch.
-    """
-
-    order: list[int] | None
-    contexts: list[list[Hashable]]
-    planning_seconds: float
-
-
-@dataclass(frozen=True, slots=True)
-class PlanInput:
-    """The batch every planner sees: block keys per request, session per request, tokens per block key."""
-
-    contexts: list[list[Hashable]]
-    sessions: list[str]
-    token_counts: dict[Hashable, int]
-    multi_turn: bool
-
-
-def keep_turn_order(order: Sequence[int], sessions: Sequence[str]) -> list[int]:
-    """Return ``order`` with each session's requests put back in trace order, keeping the interleaving pattern.
-
-    The k-th time a session appears in ``order`` it runs that session's k-th request. Pure, O(n).
-
-    Raises:
-        InvalidInputError: ``order`` is not a permutation of ``range(len(sessions))``.
-    """
-    if sorted(order) != list(range(len(sessions))):
-        raise InvalidInputError("an execution order must be a permutation of the requests")
-    queues: dict[str, list[int]] = defaultdict(list)
-    for index, session in enumerate(sessions):
-        queues[session].append(index)
-    cursor: Counter[str] = Counter()
-    out = []
-    for index in order:
-        session = sessions[index]
-        out.append(queues[session][cursor[session]])
-        cursor[session] += 1
-    return out
-
-
-def _check_permutations(contexts: Sequence[Sequence[Hashable]], planned: Sequence[Sequence[Hashable]], name: str):
-    if len(planned) != len(contexts):
-        raise InvalidInputError(f"{name}: returned {len(planned)} contexts for {len(contexts)} requests")
-    for index, (before, after) in enumerate(zip(contexts, planned)):
-        if Counter(before) != Counter(after):
-            raise InvalidInputError(f"{name}: request {index}'s blocks are not a permutation of its input")
-
-
-def plan_original(batch: PlanInput) -> StrategyPlan:
-    """Retrieval order, FCFS."""
-    return StrategyPlan(list(range(len(batch.contexts))), [list(c) for c in batch.contexts], 0.0)
 
 
 def plan_lpm(batch: PlanInput) -> StrategyPlan:
@@ -114,39 +61,26 @@ def plan_reorder(batch: PlanInput, *, schedule_too: bool = False) -> StrategyPla
     order = list(schedule(result.search_paths)) if schedule_too else list(range(len(batch.contexts)))
     contexts = [list(c) for c in result.contexts]
     seconds = time.perf_counter() - started
-    _check_permutations(batch.contexts, contexts, "reorder")
+    check_permutations(batch.contexts, contexts, "reorder")
     return StrategyPlan(_session_safe(order, batch), contexts, seconds)
 
 
 def plan_contextpilot(batch: PlanInput) -> StrategyPlan:
     """The authors' package on a fresh instance (raises MissingDependencyError when it is not installed)."""
-    from cpmemory.bench.baseline_contextpilot import plan_with_contextpilot
+    from cpmemory_benchmarks.baseline_contextpilot import plan_with_contextpilot
 
     started = time.perf_counter()
     result = plan_with_contextpilot(batch.contexts)
     seconds = time.perf_counter() - started
-    _check_permutations(batch.contexts, result.contexts, "contextpilot")
+    check_permutations(batch.contexts, result.contexts, "contextpilot")
     return StrategyPlan(_session_safe(result.order, batch), result.contexts, seconds)
-
-
-def plan_cpmemory(batch: PlanInput) -> StrategyPlan:
-    """PLANNER's ``plan_batch`` (order and schedule; sessions keep their turn order)."""
-    from cpmemory.core.planner import plan_batch
-
-    started = time.perf_counter()
-    result = plan_batch([list(c) for c in batch.contexts], sessions=list(batch.sessions),
-                        token_counts=dict(batch.token_counts))
-    seconds = time.perf_counter() - started
-    contexts = [list(c) for c in result.contexts]
-    _check_permutations(batch.contexts, contexts, "cpmemory")
-    return StrategyPlan(_session_safe(list(result.order), batch), contexts, seconds)
 
 
 def _session_safe(order: list[int], batch: PlanInput) -> list[int]:
     return keep_turn_order(order, batch.sessions)
 
 
-PLANNERS: dict[str, Callable[[PlanInput], StrategyPlan]] = {
+PLANNERS: dict[str, Planner] = {
     "original": plan_original,
     "original+lpm": plan_lpm,
     "popularity": plan_popularity,

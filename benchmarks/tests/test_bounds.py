@@ -7,17 +7,17 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cpmemory.bench.bounds import (
-    RequestContent,
-    Segment,
+from cpmemory.bench.offline import RequestContent, Segment
+from cpmemory.bench.trace import Trace, TraceBlock, TraceRequest
+from cpmemory_benchmarks.bounds import (
     dedup_bound_tokens,
     mst_bound_hit_rate,
     mst_reusable_tokens,
     oracle_hit_rate,
     oracle_reusable_tokens,
 )
-from cpmemory.bench.replay import ReplaySettings, run_replay
-from cpmemory.bench.trace import Trace, TraceBlock, TraceRequest
+from cpmemory_benchmarks.replay import ReplaySettings, run_replay
+from cpmemory_benchmarks.strategies import STRATEGIES
 
 
 def seg(key, n, start=0):
@@ -100,17 +100,17 @@ def _random_trace(seed: int, multi_turn: bool) -> Trace:
 @pytest.mark.parametrize("capacity", ["30%", "300%"])
 def test_bounds_hold_for_every_strategy_on_small_random_traces(seed, capacity):
     trace = _random_trace(seed, multi_turn=False)
-    report = run_replay(trace, ReplaySettings(capacity=capacity))
+    report = run_replay(trace, ReplaySettings(capacity=capacity, strategies=STRATEGIES))
     assert report.results, report.unavailable
     for name, result in report.results.items():
-        assert result.hit_rate <= report.mst_bound_hit_rate + 1e-9, name
-    assert report.mst_bound_hit_rate <= report.oracle_hit_rate + 1e-9
+        assert result.hit_rate <= report.bounds.mst_bound_hit_rate + 1e-9, name
+    assert report.bounds.mst_bound_hit_rate <= report.bounds.oracle_hit_rate + 1e-9
 
 
 @pytest.mark.parametrize("seed", range(3))
 def test_bounds_hold_for_strategies_without_dedup_on_multi_turn_traces(seed):
     trace = _random_trace(seed, multi_turn=True)
-    report = run_replay(trace, ReplaySettings(capacity="40%"))
+    report = run_replay(trace, ReplaySettings(capacity="40%", strategies=STRATEGIES))
     for name, result in report.results.items():
         if name != "cpmemory":  # dedup changes the prompts' content; the bounds are on the original content
-            assert result.hit_rate <= report.mst_bound_hit_rate + 1e-9, name
+            assert result.hit_rate <= report.bounds.mst_bound_hit_rate + 1e-9, name

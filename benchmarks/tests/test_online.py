@@ -8,12 +8,12 @@ import pytest
 from typer.testing import CliRunner
 
 from cpmemory.bench.loaders import load_synthetic
-from cpmemory.bench.online import ONLINE_STRATEGIES, Windows, gain_share, second_half
-from cpmemory.bench.replay import ReplaySettings, run_replay
 from cpmemory.bench.results import StrategyResult
 from cpmemory.bench.trace import Trace, TraceBlock, TraceRequest, write_trace
 from cpmemory.cli import app
 from cpmemory.errors import InvalidInputError
+from cpmemory_benchmarks.online import ONLINE_STRATEGIES, Windows, gain_share, second_half
+from cpmemory_benchmarks.replay import ReplaySettings, run_replay
 
 ONLINE_KEYS = {"hit_rate", "prefill_tokens", "gain_share", "hit_rate_second_half", "gain_share_second_half",
                "overhead_p50_ms", "overhead_p99_ms", "no_loss_violations"}

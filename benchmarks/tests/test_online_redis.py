@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 
 from cpmemory.bench.loaders import load_synthetic
-from cpmemory.bench.replay import ReplaySettings, run_replay
 from cpmemory.bench.trace import Trace
+from cpmemory_benchmarks.replay import ReplaySettings, run_replay
 from tests.redis_env import redis_url
 
 

@@ -10,11 +10,14 @@ from typer.testing import CliRunner
 
 from cpmemory.bench.demo import run_demo
 from cpmemory.bench.loaders import load_synthetic
-from cpmemory.bench.replay import ReplaySettings, chat_tokens, message_tokens, resolve_capacity, run_replay
+from cpmemory.bench.offline import ReplaySettings, resolve_capacity
+from cpmemory.bench.prompts import chat_tokens, message_tokens
 from cpmemory.bench.tokenizer import tokenize, tokenize_chat
 from cpmemory.bench.trace import write_trace
 from cpmemory.cli import app
 from cpmemory.errors import InvalidInputError
+from cpmemory_benchmarks.replay import run_replay
+from cpmemory_benchmarks.strategies import STRATEGIES
 
 KEYS = {"hit_rate", "prompt_tokens", "prefill_tokens", "dedup_tokens_saved", "annotation_tokens",
         "overhead_p50_ms", "overhead_p99_ms"}
@@ -31,7 +34,7 @@ def multi_turn_trace():
 
 
 def test_every_strategy_runs_without_loss_and_cpmemory_beats_original(small_trace):
-    report = run_replay(small_trace, ReplaySettings(capacity="20%"))
+    report = run_replay(small_trace, ReplaySettings(capacity="20%", strategies=STRATEGIES))
     assert report.results["original"].hit_rate < report.results["cpmemory"].hit_rate
     for name, result in report.results.items():
         assert result.violations == [], name
@@ -44,8 +47,8 @@ def test_every_strategy_runs_without_loss_and_cpmemory_beats_original(small_trac
 def test_multi_turn_dedup_reaches_its_bound_and_never_prefills_more(multi_turn_trace):
     report = run_replay(multi_turn_trace, ReplaySettings(capacity="20%", strategies=("original", "cpmemory")))
     original, ours = report.results["original"], report.results["cpmemory"]
-    assert report.dedup_bound_tokens > 0
-    assert ours.dedup_tokens_saved >= 0.95 * report.dedup_bound_tokens
+    assert report.bounds.dedup_bound_tokens > 0
+    assert ours.dedup_tokens_saved >= 0.95 * report.bounds.dedup_bound_tokens
     assert ours.violations == [] and original.violations == []
     assert ours.prompt_tokens - ours.cached_tokens <= original.prompt_tokens - original.cached_tokens
     assert ours.hit_rate >= original.hit_rate
@@ -55,7 +58,7 @@ def test_a_roomy_cache_never_hits_less(small_trace):
     tight = run_replay(small_trace, ReplaySettings(capacity="10%", strategies=("original",)))
     roomy = run_replay(small_trace, ReplaySettings(capacity="500%", strategies=("original",)))
     assert roomy.results["original"].cached_tokens >= tight.results["original"].cached_tokens
-    assert roomy.results["original"].hit_rate <= roomy.oracle_hit_rate
+    assert roomy.results["original"].hit_rate <= roomy.bounds.oracle_hit_rate
 
 
 def test_capacity_parsing():
@@ -120,8 +123,8 @@ def test_sectioned_tokenization_equals_the_tokenizer(parts):
 
 
 def test_engine_replay_reports_real_figures_beside_the_simulated_ones():
-    from cpmemory.bench.replay import replay_on_engine
     from cpmemory.testing.mock_engine import MockEngine
+    from cpmemory_benchmarks.replay import replay_on_engine
 
     trace = load_synthetic(requests=30, blocks_per_request=4, corpus_size=20, seed=5)
     report = run_replay(trace, ReplaySettings(capacity="200%", strategies=("original", "cpmemory"),

@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import pytest
 
-from cpmemory.bench.replay_real import measure, replay_real, summarize
 from cpmemory.errors import EngineError
 from cpmemory.testing.mock_engine import MockEngine, mock_tokenize, render_chatml
+from cpmemory_benchmarks.replay_real import measure, replay_real, summarize
 
 SHARED = "shared context " * 20
 

@@ -5,9 +5,9 @@ import random
 
 import pytest
 
-from cpmemory.bench.replicas import FleetSettings, ReplicaFleet, replay_prompts
 from cpmemory.bench.simulator import PrefixCacheSimulator
 from cpmemory.errors import InvalidInputError
+from cpmemory_benchmarks.replicas import FleetSettings, ReplicaFleet, replay_prompts
 
 
 def grouped_prompts(groups: int = 16, count: int = 800, seed: int = 3) -> list[list[int]]:
@@ -75,9 +75,9 @@ def test_online_replay_on_replicas_reports_load_and_one_replica_is_the_single_ca
     from typer.testing import CliRunner
 
     from cpmemory.bench.loaders import load_synthetic
-    from cpmemory.bench.replay import ReplaySettings, run_replay
     from cpmemory.bench.trace import Trace, write_trace
     from cpmemory.cli import app
+    from cpmemory_benchmarks.replay import ReplaySettings, run_replay
 
     trace = load_synthetic(requests=120, blocks_per_request=6, corpus_size=50, seed=5)
     settings = ReplaySettings(capacity="20%", strategies=("original",))

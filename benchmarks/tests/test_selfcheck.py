@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from cpmemory.bench.selfcheck import main, run
+from cpmemory_benchmarks.selfcheck import main, run
 
 
 def test_small_workload_has_no_violation_and_saves_characters() -> None:

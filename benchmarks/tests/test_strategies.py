@@ -5,9 +5,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cpmemory.bench.baseline_contextpilot import contextpilot_available, plan_with_contextpilot
-from cpmemory.bench.strategies import LongestPrefixScheduler, PlanInput, keep_turn_order, plan_popularity
 from cpmemory.errors import InvalidInputError
+from cpmemory_benchmarks.baseline_contextpilot import contextpilot_available, plan_with_contextpilot
+from cpmemory_benchmarks.strategies import LongestPrefixScheduler, PlanInput, keep_turn_order, plan_popularity
 
 
 @settings(max_examples=100, deadline=None)
@@ -76,7 +76,7 @@ def test_replay_degrades_when_the_peer_package_is_missing(monkeypatch):
     import sys
 
     from cpmemory.bench.loaders import load_synthetic
-    from cpmemory.bench.replay import ReplaySettings, run_replay
+    from cpmemory_benchmarks.replay import ReplaySettings, run_replay
 
     monkeypatch.setitem(sys.modules, "contextpilot.server.live_index", None)  # import now fails
     trace = load_synthetic(requests=10, blocks_per_request=3, corpus_size=10)

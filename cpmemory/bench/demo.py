@@ -57,7 +57,7 @@ def run_online(trace: Any, capacity: int, system_prompt: str) -> dict[str, Any]:
     Each strategy gets a fresh simulated cache of ``capacity`` tokens. Returns ``{"original", "cpmemory"}`` summaries
     (the replay's per-strategy JSON objects). O(requests x prompt tokens).
     """
-    from cpmemory.bench.replay import FacadePromptBuilder, PlainPromptBuilder, chat_tokens, prepare_requests
+    from cpmemory.bench.prompts import FacadePromptBuilder, PlainPromptBuilder, chat_tokens, prepare_requests
     from cpmemory.bench.results import StrategyResult
     from cpmemory.bench.simulator import PrefixCacheSimulator
     from cpmemory.core.invariants import check_no_loss
@@ -97,7 +97,7 @@ def _cache(strategies: dict[str, Any], capacity: int, unique: int) -> dict[str, 
 
 def run_demo(seed: int = 0) -> dict[str, Any]:
     """Run the demo workload and return its figures (see module docstring). Deterministic apart from timings."""
-    from cpmemory.bench.replay import ReplaySettings, run_replay, system_prompt_for
+    from cpmemory.bench.offline import ReplaySettings, replay_offline, system_prompt_for
 
     started = time.perf_counter()
     trace = _trace(seed)
@@ -107,7 +107,7 @@ def run_demo(seed: int = 0) -> dict[str, Any]:
     capacity: str | int = DEMO_CAPACITY
     for cache in ("tight", "working_set"):
         settings = ReplaySettings(capacity=capacity, strategies=("original", "cpmemory"))
-        report = run_replay(trace, settings)
+        report = replay_offline(trace, settings)
         summary = report.to_json()
         if not figures:
             figures = summary  # the tight cache's offline run: the demo's historical top-level keys

@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["ReplayReport", "StrategyResult"]
+__all__ = ["Bounds", "ReplayReport", "StrategyResult"]
 
 
 @dataclass(slots=True)
@@ -83,6 +83,21 @@ class StrategyResult:
         return out
 
 
+@dataclass(frozen=True, slots=True)
+class Bounds:
+    """Upper bounds on reuse whatever the order (computed by the research replay's ``bounds`` module)."""
+
+    oracle_hit_rate: float
+    mst_bound_hit_rate: float
+    dedup_bound_tokens: int
+
+    def to_json(self) -> dict[str, Any]:
+        """The bounds' keys of the replay's ``--json`` object."""
+        return {"oracle_hit_rate": round(self.oracle_hit_rate, 6),
+                "mst_bound_hit_rate": round(self.mst_bound_hit_rate, 6),
+                "dedup_bound_tokens": self.dedup_bound_tokens}
+
+
 @dataclass(slots=True)
 class ReplayReport:
     """Everything one replay measured."""
@@ -95,11 +110,10 @@ class ReplayReport:
     multi_turn: bool
     results: dict[str, StrategyResult]
     unavailable: dict[str, str]
-    oracle_hit_rate: float
-    mst_bound_hit_rate: float
-    dedup_bound_tokens: int
     skipped_lines: list[str] = field(default_factory=list)
-    online: Any = None  # cpmemory.bench.online.OnlineReport when run with --online
+    # The research replay (benchmarks/) fills in the bounds and, with --online, its online report (``to_json()``).
+    bounds: Bounds | None = None
+    online: Any = None
 
     def to_json(self) -> dict[str, Any]:
         """The ``--json`` object (keys as issue 6 specifies, plus a few extras)."""
@@ -108,9 +122,7 @@ class ReplayReport:
             "requests": self.requests,
             "capacity_tokens": self.capacity_tokens,
             "strategies": {name: result.summary() for name, result in self.results.items()},
-            "oracle_hit_rate": round(self.oracle_hit_rate, 6),
-            "mst_bound_hit_rate": round(self.mst_bound_hit_rate, 6),
-            "dedup_bound_tokens": self.dedup_bound_tokens,
+            **(self.bounds.to_json() if self.bounds is not None else {}),
             "unique_tokens": self.unique_tokens,
             "mode": self.mode,
             "multi_turn": self.multi_turn,

@@ -362,9 +362,9 @@ def _save(plt: Any, figure: Any, axis: Any, path: Path) -> None:
 
 
 def _load(trace_file: Path | None, workload: str | None, data_dir: Path | None, multi_turn: bool | None) -> Trace:
-    from cpmemory.bench.replay import _load_trace
+    from cpmemory.bench.prompts import load_trace
 
-    return _load_trace(trace_file, workload, data_dir, False, multi_turn)
+    return load_trace(trace_file, workload, data_dir, False, multi_turn)
 
 
 def command(

@@ -113,7 +113,7 @@ class DirectClient:
 
     def messages(self, conversation: str, blocks: Sequence[Any], query: str, multi_turn: bool) -> list[dict[str, str]]:
         """The prompt of one turn: system, the conversation's history (multi-turn), the user message."""
-        from cpmemory.bench.replay import plain_user_message
+        from cpmemory.bench.prompts import plain_user_message
 
         user = plain_user_message(blocks, range(len(blocks)), query)
         history = self.history[conversation] if multi_turn else []

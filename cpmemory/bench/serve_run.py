@@ -26,7 +26,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from cpmemory.bench.replay import PreparedRequest, prepare_requests
+from cpmemory.bench.prompts import PreparedRequest, prepare_requests
 from cpmemory.bench.trace import Trace, TraceRequest
 from cpmemory.errors import InvalidInputError
 

@@ -43,6 +43,19 @@ import numpy as np
 from cpmemory.errors import InvalidInputError
 
 SimulatorMode = Literal["radix", "vllm"]
+SIMULATOR_MODES: tuple[SimulatorMode, ...] = ("radix", "vllm")
+
+
+def simulator_mode(text: str) -> SimulatorMode:
+    """``text`` as a simulator mode (a command-line value).
+
+    Raises:
+        InvalidInputError: not ``radix`` or ``vllm``.
+    """
+    for mode in SIMULATOR_MODES:
+        if text == mode:
+            return mode
+    raise InvalidInputError(f"unknown simulator mode {text!r}; use 'radix' or 'vllm'")
 DEFAULT_VLLM_BLOCK_SIZE = 16
 
 

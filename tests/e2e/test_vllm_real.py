@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 
 from cpmemory import CpMemory
-from cpmemory.bench.replay_real import measure
 from cpmemory.engines.client import EngineClient, EngineSettings
 from cpmemory.engines.eviction_sync import EvictionSync
 from cpmemory.engines.kv_events import BlockStored, EventBatch, KVEventSubscriber
+from cpmemory_benchmarks.replay_real import measure
 
 pytestmark = pytest.mark.vllm
 

@@ -9,7 +9,6 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cpmemory.bench.bounds import exact_trie_optimum, mst_block_reuse
 from cpmemory.core.planner import plan_batch, trie_savings
 from cpmemory.core.planner_search import (
     Dendrogram,
@@ -18,6 +17,7 @@ from cpmemory.core.planner_search import (
     orders_from_dendrogram,
 )
 from cpmemory.core.planner_tree import first_seen_ranks
+from cpmemory_benchmarks.bounds import exact_trie_optimum, mst_block_reuse
 
 batches = st.lists(st.lists(st.integers(0, 9), min_size=1, max_size=6, unique=True), min_size=3, max_size=14)
 
