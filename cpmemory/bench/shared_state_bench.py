@@ -30,7 +30,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from cpmemory.bench.store_bench import BLOCKS_PER_TURN, Workload
+from cpmemory.bench.store_workload import BLOCKS_PER_TURN, Workload, quantile_ms
 
 FILL_BATCH = 200
 
@@ -89,7 +89,6 @@ def run_shared_facade(store: Any, workload: Workload, conversations: int, sends:
     """``CpMemory.prepare`` + ``commit`` on ``store`` for the first ``conversations`` (history given, no
     prompt_order); ``sends()`` reads the socket exchange counter; ``ping`` (None: no server) is timed before each
     prepare. Returns the ``facade_*`` figures."""
-    from cpmemory.bench.store_bench import _ms
     from cpmemory.facade import CpMemory
 
     memory = CpMemory(store=store)
@@ -123,13 +122,13 @@ def run_shared_facade(store: Any, workload: Workload, conversations: int, sends:
         if (number + 1) % max(1, conversations // 4) == 0:
             print(f"  facade on the shared state {number + 1}/{conversations}", file=sys.stderr, flush=True)
     requests = len(prepares)
-    ping_p50 = _ms(pings, 0.5) if pings else None
-    prepare_p50 = _ms(prepares, 0.5)
+    ping_p50 = quantile_ms(pings, 0.5) if pings else None
+    prepare_p50 = quantile_ms(prepares, 0.5)
     return {
         "facade_prepare_p50_ms": prepare_p50,
-        "facade_prepare_p99_ms": _ms(prepares, 0.99),
-        "facade_first_turn_prepare_p50_ms": _ms(first_turns, 0.5),
-        "facade_commit_p50_ms": _ms(commits, 0.5),
+        "facade_prepare_p99_ms": quantile_ms(prepares, 0.99),
+        "facade_first_turn_prepare_p50_ms": quantile_ms(first_turns, 0.5),
+        "facade_commit_p50_ms": quantile_ms(commits, 0.5),
         "facade_requests": requests,
         "facade_round_trips_per_request": round(round_trips / requests, 3) if requests else 0,
         "facade_ping_p50_ms": ping_p50,

@@ -1,6 +1,6 @@
 """``cpmemory bench store``: session-store latency, throughput and round trips (in-memory, Redis, Redis Cluster).
 
-Workload (:func:`make_workload`, seeded): ``conversations`` conversations of ``turns`` turns, 15 blocks per turn
+Workload (:func:`cpmemory.bench.store_workload.make_workload`, seeded): ``conversations`` conversations of ``turns`` turns, 15 blocks per turn
 (about 600 characters each) retrieved from a per-conversation topic (60 blocks of a shared corpus): 7 are kept from
 the previous turn and the rest drawn from the topic, so about two thirds were already shown earlier in the
 conversation and de-duplication has work to do. Each turn reserves with
@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import random
 import sys
 import time
 import uuid
@@ -48,62 +47,12 @@ from typing import Any
 
 import typer
 
-from cpmemory.core.blocks import content_hash, label_for_hash
+from cpmemory.bench.store_workload import BLOCK_CHARS, BLOCKS_PER_TURN, Block, Workload, make_workload
+from cpmemory.bench.store_workload import quantile_ms as _ms
+from cpmemory.core.blocks import label_for_hash
 from cpmemory.types import ConversationKey, ReserveRequest, SeenBlock, TurnRecord
 
 BACKENDS = ("memory", "redis", "cluster")
-BLOCKS_PER_TURN = 15
-KEPT_PER_TURN = 7
-TOPIC_SIZE = 60
-BLOCK_CHARS = 600
-_WORDS = ("context", "cache", "prefix", "memory", "agent", "token", "block", "query", "answer", "model", "index",
-          "turn", "session", "reuse", "latency", "retrieval", "document", "engine", "attention", "order")
-
-
-@dataclass(frozen=True, slots=True)
-class Block:
-    """One workload block: caller id, text and content hash."""
-
-    id: str
-    text: str
-    digest: str
-
-
-@dataclass(frozen=True, slots=True)
-class Workload:
-    """``turns[c][t]`` = the blocks of turn ``t`` of conversation ``c``, best-ranked first."""
-
-    turns: list[list[list[Block]]]
-    tenant: str = "bench"
-
-    @property
-    def conversations(self) -> int:
-        return len(self.turns)
-
-
-def make_workload(conversations: int, turns: int, seed: int = 0) -> Workload:
-    """Build the seeded workload described in the module docstring. Pure, deterministic."""
-    rng = random.Random(seed)
-    corpus_size = max(TOPIC_SIZE * 4, conversations * TOPIC_SIZE // 3)
-    corpus: list[Block] = []
-    for number in range(corpus_size):
-        words = " ".join(rng.choice(_WORDS) for _ in range(BLOCK_CHARS // 7))
-        text = f"Document {number}: {words}"[:BLOCK_CHARS]
-        corpus.append(Block(f"doc-{number}", text, content_hash(text)))
-    all_turns: list[list[list[Block]]] = []
-    for _ in range(conversations):
-        topic = rng.sample(corpus, TOPIC_SIZE)
-        previous: list[Block] = []
-        conversation: list[list[Block]] = []
-        for _ in range(turns):
-            kept = rng.sample(previous, min(KEPT_PER_TURN, len(previous)))
-            fresh = [block for block in rng.sample(topic, BLOCKS_PER_TURN * 2) if block not in kept]
-            blocks = kept + fresh[: BLOCKS_PER_TURN - len(kept)]
-            rng.shuffle(blocks)
-            conversation.append(blocks)
-            previous = blocks
-        all_turns.append(conversation)
-    return Workload(all_turns)
 
 
 def _request(blocks: list[Block], include_transcript: bool) -> ReserveRequest:
@@ -115,13 +64,6 @@ def _record(blocks: list[Block], seen: Any, turn: int) -> TurnRecord:
     user = "\n\n".join(f"[{label_for_hash(b.digest)}]\n{b.text}" for b in shown) + f"\n\nQuestion {turn}?"
     messages = ({"role": "user", "content": user}, {"role": "assistant", "content": "An answer. " * 30})
     return TurnRecord(messages, tuple(SeenBlock(b.id, b.digest, label_for_hash(b.digest), 0) for b in shown))
-
-
-def _ms(samples: list[float], quantile: float) -> float:
-    if not samples:
-        return float("nan")
-    ordered = sorted(samples)
-    return round(ordered[min(len(ordered) - 1, int(quantile * len(ordered)))] * 1000, 4)
 
 
 class RoundTripCounter:
