@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import time
 
 DOCUMENTS = {
     "rhone": "The Rhone rises in the Swiss Alps, crosses Lake Geneva and flows through Lyon to the Mediterranean.",
@@ -31,6 +32,23 @@ TURNS = [
 ]
 
 
+def wait_until_ready(base_url: str, timeout_s: float = 60.0) -> None:
+    """Wait for the proxy's readiness endpoint (it answers 200 once an engine and the store can serve)."""
+    import httpx  # installed with the openai SDK
+
+    ready_url = base_url.rstrip("/").removesuffix("/v1") + "/readyz"
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if httpx.get(ready_url, timeout=2.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            raise SystemExit(f"the proxy at {ready_url} is not ready: start it with cpmemory serve (see above)")
+        time.sleep(0.5)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--base-url", default="http://127.0.0.1:8080/v1", help="the proxy's OpenAI base URL")
@@ -41,6 +59,7 @@ def main() -> None:
     except ImportError:
         raise SystemExit("this example needs the openai SDK: pip install openai") from None
 
+    wait_until_ready(arguments.base_url)
     client = OpenAI(base_url=arguments.base_url, api_key=os.environ.get("CPMEMORY_API_KEY", "not-needed"))
     model = client.models.list().data[0].id  # the proxy relays the engine's model list
     print(f"model {model} through {arguments.base_url}")
