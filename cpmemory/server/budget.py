@@ -1,7 +1,9 @@
 """The proxy's token budget: what the engine can take, and the engine's own count of a prompt (issue 13).
 
-For each model the proxy asks the engine once (``GET /v1/models``: vLLM and SGLang report ``max_model_len``) and
-remembers whether it offers ``POST /tokenize``. A turn's budget is ``max_model_len - max_tokens`` (the request's
+The proxy keeps the limits of each model the engine lists (``GET /v1/models``: vLLM and SGLang report
+``max_model_len``), asked once, and whether it offers ``POST /tokenize``; a request naming a model the engine does not
+list is counted under the engine's first model (:meth:`EngineBudget.served_model`), so a client-chosen ``model``
+string adds no entry and no engine call of its own (the list is asked again at most once per ``RETRY_AFTER_S``). A turn's budget is ``max_model_len - max_tokens`` (the request's
 ``max_tokens`` / ``max_completion_tokens``, else ``ServerConfig.answer_reserve_tokens``). The facade plans the prompt
 under that budget with its counter (the default estimate); when the engine offers ``/tokenize``, the proxy then
 counts the prompt exactly as the engine will (chat template applied) and, if the engine counts more than the budget,
