@@ -1,9 +1,10 @@
 """Outage: a conversation through the facade on its own redis-server, killed (-9) mid-conversation, restarted.
 
 While Redis is down every prepare is a pass-through (degraded, relevance order, every block in full, no loss),
-logged once and counted; commit of a turn prepared before the kill fails with StoreUnavailableError. After the
-restart on the same port the store recovers by itself (reconnect, scripts reloaded on NOSCRIPT) and
-de-duplication resumes against blocks committed after the restart (the throw-away server kept nothing before).
+logged once and counted, with the conversation's history from the facade's local copy; commits made meanwhile (and
+the commit of a turn prepared before the kill) are kept. After the restart on the same port the store recovers by
+itself (reconnect, scripts reloaded on NOSCRIPT): the next turn writes back the turns the empty server lost and
+those kept, and de-duplication resumes against the blocks shown in them.
 """
 from __future__ import annotations
 
@@ -13,7 +14,6 @@ import logging
 import pytest
 
 from cpmemory.core.invariants import check_no_loss
-from cpmemory.errors import StoreUnavailableError
 from cpmemory.facade import AsyncCpMemory, CpMemory
 from cpmemory.stores.redis_store import AsyncRedisSessionStore, RedisSessionStore, RedisStoreConfig
 from cpmemory.testing.local_redis import LocalRedisServer, redis_binaries_available
@@ -43,28 +43,28 @@ def test_kill_restart_passes_through_then_resumes(caplog: pytest.LogCaptureFixtu
         _assert_complete(DOCS[3:9], second)
 
         server.kill()  # crash between prepare and commit
-        with pytest.raises(StoreUnavailableError):
-            memory.commit(second, "a2")
-        caplog.set_level(logging.WARNING, logger="cpmemory.facade")
-        outage_turns = [memory.prepare("conv", f"q{n}", DOCS[2:10]) for n in (3, 4)]
-        for turn in outage_turns:
-            assert turn.degraded and set(_statuses(turn).values()) == {"new"}
+        assert memory.commit(second, "a2") == 2  # kept, to be written back
+        caplog.set_level(logging.WARNING, logger="cpmemory.session.lifecycle")
+        for number in (3, 4):
+            turn = memory.prepare("conv", f"q{number}", DOCS[2:10])
+            assert turn.degraded and turn.turn == number and set(_statuses(turn).values()) == {"new"}
             assert all(doc["text"] in turn.messages[-1]["content"] for doc in DOCS[2:10])
+            assert [m["content"] for m in turn.messages if m["role"] == "assistant"] == ["a1", "a2", "a3"][: number - 1]
             _assert_complete(DOCS[2:10], turn)
-            assert memory.commit(turn, "lost answer") == 0
+            assert memory.commit(turn, f"a{number}") == number
         assert memory.counters.snapshot()["fallbacks"] == 2
         assert sum("unavailable" in record.getMessage() for record in caplog.records) == 1  # logged once
 
         server.start()  # same port, empty state, empty script cache
-        fourth = memory.prepare("conv", "q5", DOCS[:6])
-        assert not fourth.degraded and set(_statuses(fourth).values()) == {"new"}
-        _assert_complete(DOCS[:6], fourth)
-        assert memory.commit(fourth, "a5") == 1
-        fifth = memory.prepare("conv", "q6", DOCS[4:8])
-        statuses = _statuses(fifth)
-        assert (statuses["doc-4"], statuses["doc-5"], statuses["doc-6"]) == ("referenced", "referenced", "new")
-        _assert_complete(DOCS[4:8], fifth)
-        assert memory.commit(fifth, "a6") == 2
+        fifth = memory.prepare("conv", "q5", DOCS[:6])
+        assert not fifth.degraded and fifth.turn == 5
+        statuses = _statuses(fifth)  # blocks seen only in the rewritten turn 1 are not referred to as a whole
+        assert statuses["doc-0"] != "referenced" and statuses["doc-1"] != "referenced"
+        assert [statuses[f"doc-{i}"] for i in range(2, 6)] == ["referenced"] * 4  # shown in the kept turns
+        _assert_complete(DOCS[:6], fifth)
+        assert memory.commit(fifth, "a5") == 5
+        transcript = memory.state("conv").transcript
+        assert [m["content"] for m in transcript if m["role"] == "assistant"] == ["a1", "a2", "a3", "a4", "a5"]
 
 
 def test_kill_restart_async_store() -> None:
