@@ -185,14 +185,13 @@ class RecentTranscripts:
     def _append(self, copy: _Copy, messages: tuple[Message, ...], trim_before: int) -> None:
         copy.turns += 1
         copy.turns_held.append(messages)
-        copy.chars += _chars(messages)
         drop = min(trim_before, copy.turns - 1) - copy.start
         if drop > 0:
-            copy.chars -= sum(_chars(turn) for turn in copy.turns_held[:drop])
             del copy.turns_held[:drop]
             copy.start += drop
 
     def _put(self, key: ConversationKey, copy: _Copy) -> None:
+        """(Re)insert a copy as the most recent; ``chars`` of a copy already held still counts what it held."""
         old = self._copies.pop(key, None)
         if old is not None:
             self._chars -= old.chars
