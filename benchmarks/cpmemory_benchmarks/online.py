@@ -33,13 +33,14 @@ import contextlib
 import time
 import uuid
 from collections import Counter
-from collections.abc import Hashable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from cpmemory.bench.offline import keep_turn_order
 from cpmemory.bench.prompts import FacadePromptBuilder, PlainPromptBuilder, PreparedRequest, chat_tokens
 from cpmemory.bench.results import StrategyResult
+from cpmemory.bench.simulator import SimulatorMode
 from cpmemory.bench.trace import Trace
 from cpmemory.errors import InvalidInputError
 
@@ -62,22 +63,25 @@ class Windows:
     def __init__(self, trace: Trace, window: int) -> None:
         """Cut ``trace`` into windows of at most ``window`` requests."""
         self.window = check_window(window)
-        self.arrivals = [request.arrival for request in trace.requests]
-        self.timed = bool(self.arrivals) and all(a is not None for a in self.arrivals)
+        arrivals = [request.arrival for request in trace.requests]
+        self.requests = len(arrivals)
+        # arrival times only when every request has one (a trace without them is cut into windows of W)
+        self.arrivals: list[float] = [a for a in arrivals if a is not None]
+        self.timed = bool(arrivals) and len(self.arrivals) == len(arrivals)
         self.sessions = trace.sessions
         self.next_index = 0
         self.free_at = 0.0
 
     def __iter__(self) -> Iterator[list[int]]:
         """Yield windows until every request was handed out (call :meth:`busy` as requests run)."""
-        total = len(self.arrivals)
+        total = self.requests
         while self.next_index < total:
             start = self.next_index
             end = min(total, start + self.window)
             if self.timed:
-                self.free_at = max(self.free_at, self.arrivals[start])  # type: ignore[arg-type]
+                self.free_at = max(self.free_at, self.arrivals[start])
                 stop = start + 1
-                while stop < end and self.arrivals[stop] <= self.free_at:  # type: ignore[operator]
+                while stop < end and self.arrivals[stop] <= self.free_at:
                     stop += 1
                 end = stop
             self.next_index = end
@@ -91,7 +95,10 @@ class Windows:
 # ---------------------------------------------------------------- strategies
 
 class OnlineStrategy(Protocol):
-    """An online strategy: it sees one window at a time and remembers what it did."""
+    """An online strategy: it sees one window at a time and remembers what it did (``decision_ms``: the time the
+    last :meth:`build` spent deciding)."""
+
+    decision_ms: float
 
     def schedule(self, window: Sequence[int]) -> list[int]:
         """Execution order of the waiting requests (a permutation of ``window``)."""
@@ -122,7 +129,7 @@ class _Plain:
     def schedule(self, window: Sequence[int]) -> list[int]:
         return list(window)
 
-    def order(self, index: int) -> list[Hashable]:
+    def order(self, index: int) -> list[str]:
         return list(self.context.prepared[index].keys)
 
     def build(self, index: int) -> dict[str, Any]:
@@ -153,8 +160,8 @@ class _Popularity(_Plain):
 
     def __init__(self, context: _Context) -> None:
         super().__init__(context)
-        self.frequency: Counter[Hashable] = Counter()
-        self.first_seen: dict[Hashable, int] = {}
+        self.frequency: Counter[str] = Counter()
+        self.first_seen: dict[str, int] = {}
 
     def schedule(self, window: Sequence[int]) -> list[int]:
         for index in window:
@@ -163,7 +170,7 @@ class _Popularity(_Plain):
                 self.first_seen.setdefault(key, len(self.first_seen))
         return list(window)
 
-    def order(self, index: int) -> list[Hashable]:
+    def order(self, index: int) -> list[str]:
         frequency, first = self.frequency, self.first_seen
         return sorted(self.context.prepared[index].keys, key=lambda key: (-frequency[key], first[key]))
 
@@ -173,9 +180,9 @@ class _Trie(_Popularity):
 
     def __init__(self, context: _Context) -> None:
         super().__init__(context)
-        self.root: dict[Hashable, list[Any]] = {}  # key -> [count, children]
+        self.root: dict[str, list[Any]] = {}  # key -> [count, children]
 
-    def order(self, index: int) -> list[Hashable]:
+    def order(self, index: int) -> list[str]:
         keys = set(self.context.prepared[index].keys)
         node, path = self.root, []
         while True:
@@ -248,7 +255,7 @@ def _cache_tokens(simulator: Any) -> int | None:
     return int(simulator.capacity_tokens)
 
 
-ONLINE_FACTORIES = {
+ONLINE_FACTORIES: dict[str, Callable[[_Context], OnlineStrategy]] = {
     "original": _Plain,
     "original+lpm": _LongestPrefix,
     "popularity": _Popularity,
@@ -348,7 +355,7 @@ def gain_share(hit_rate: float, original: float, offline: float) -> float:
     return (hit_rate - original) / span if span > 1e-12 else 0.0
 
 
-def run_online(trace: Trace, prepared: Sequence[PreparedRequest], system_prompt: str, capacity: int, mode: str,
+def run_online(trace: Trace, prepared: Sequence[PreparedRequest], system_prompt: str, capacity: int, mode: SimulatorMode,
                page_size: int | None, window: int, offline: dict[str, StrategyResult],
                strategies: Sequence[str] = ONLINE_STRATEGIES, progress: Any = None,
                workers: int | None = None, redis_url: str | None = None, fleet: Any = None) -> OnlineReport:
@@ -399,7 +406,7 @@ def _redis(url: str | None) -> Iterator[str]:
         yield server.url
 
 
-def _run_online(trace: Trace, prepared: Sequence[PreparedRequest], system_prompt: str, capacity: int, mode: str,
+def _run_online(trace: Trace, prepared: Sequence[PreparedRequest], system_prompt: str, capacity: int, mode: SimulatorMode,
                 page_size: int | None, window: int, offline: dict[str, StrategyResult], strategies: Sequence[str],
                 progress: Any, workers: tuple[str, int, str] | None, fleet: Any = None) -> OnlineReport:
     from cpmemory.bench.simulator import PrefixCacheSimulator
@@ -414,7 +421,7 @@ def _run_online(trace: Trace, prepared: Sequence[PreparedRequest], system_prompt
         if fleet is not None:
             simulator = ReplicaFleet(capacity, fleet, mode=mode, page_size=page_size)
         else:
-            simulator = PrefixCacheSimulator(capacity, mode=mode, page_size=page_size)  # type: ignore[arg-type]
+            simulator = PrefixCacheSimulator(capacity, mode=mode, page_size=page_size)
         results[name] = run_online_strategy(name, trace, prepared, system_prompt, simulator, window, progress,
                                             workers if name == "cpmemory" else None)
         if fleet is not None:

@@ -24,6 +24,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from cpmemory.bench.simulator import SimulatorMode
 from cpmemory.errors import InvalidInputError
 
 RouterName = Literal["prefix", "affinity"]
@@ -115,7 +116,7 @@ class FleetReport:
 class ReplicaFleet:
     """N simulated caches behind the product's router; deterministic for a given prompt stream. Not thread-safe."""
 
-    def __init__(self, capacity_tokens: int, settings: FleetSettings = FleetSettings(), *, mode: str = "radix",
+    def __init__(self, capacity_tokens: int, settings: FleetSettings = FleetSettings(), *, mode: SimulatorMode = "radix",
                  page_size: int | None = None) -> None:
         """Create N empty caches of ``capacity_tokens // N`` tokens and a router over them.
 
@@ -128,7 +129,7 @@ class ReplicaFleet:
 
         self.settings = settings
         share = capacity_tokens // settings.replicas
-        self.caches = [PrefixCacheSimulator(share, mode=mode, page_size=page_size)  # type: ignore[arg-type]
+        self.caches = [PrefixCacheSimulator(share, mode=mode, page_size=page_size)
                        for _ in range(settings.replicas)]
         self.view = SentPrefixView(settings.replicas, share) if settings.router == "prefix" else None
         urls = [f"sim://replica-{index}" for index in range(settings.replicas)]
@@ -190,7 +191,7 @@ class ReplicaFleet:
 
 
 def replay_prompts(prompts: Iterable[Sequence[int]], capacity_tokens: int, settings: FleetSettings = FleetSettings(),
-                   *, keys: Iterable[str | None] | None = None, mode: str = "radix") -> FleetReport:
+                   *, keys: Iterable[str | None] | None = None, mode: SimulatorMode = "radix") -> FleetReport:
     """Run a stream of prompts (token ids, arrival order) through a fresh fleet; return its report.
 
     ``keys`` names each prompt's conversation (a repeated key after its first prompt is a later turn: sticky).

@@ -24,7 +24,7 @@ from cpmemory.bench.offline import (
     PlanInput,
     Planner,
     StrategyPlan,
-    check_permutations,
+    checked_contexts,
     keep_turn_order,
     plan_cpmemory,
     plan_original,
@@ -59,9 +59,8 @@ def plan_reorder(batch: PlanInput, *, schedule_too: bool = False) -> StrategyPla
     started = time.perf_counter()
     result = reorder_batch([list(c) for c in batch.contexts])
     order = list(schedule(result.search_paths)) if schedule_too else list(range(len(batch.contexts)))
-    contexts = [list(c) for c in result.contexts]
     seconds = time.perf_counter() - started
-    check_permutations(batch.contexts, contexts, "reorder")
+    contexts = checked_contexts(batch.contexts, result.contexts, "reorder")
     return StrategyPlan(_session_safe(order, batch), contexts, seconds)
 
 
@@ -72,8 +71,8 @@ def plan_contextpilot(batch: PlanInput) -> StrategyPlan:
     started = time.perf_counter()
     result = plan_with_contextpilot(batch.contexts)
     seconds = time.perf_counter() - started
-    check_permutations(batch.contexts, result.contexts, "contextpilot")
-    return StrategyPlan(_session_safe(result.order, batch), result.contexts, seconds)
+    contexts = checked_contexts(batch.contexts, result.contexts, "contextpilot")
+    return StrategyPlan(_session_safe(result.order, batch), contexts, seconds)
 
 
 def _session_safe(order: list[int], batch: PlanInput) -> list[int]:

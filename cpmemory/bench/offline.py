@@ -87,14 +87,22 @@ def keep_turn_order(order: Sequence[int], sessions: Sequence[str]) -> list[int]:
     return out
 
 
-def check_permutations(contexts: Sequence[Sequence[Hashable]], planned: Sequence[Sequence[Hashable]],
-                       name: str) -> None:
-    """Raise InvalidInputError unless each planned context is a permutation of its input."""
+def checked_contexts(contexts: Sequence[Sequence[str]], planned: Sequence[Sequence[Hashable]],
+                     name: str) -> list[list[str]]:
+    """``planned`` as block keys, each context checked to be a permutation of its input.
+
+    Raises:
+        InvalidInputError: a planner returned another number of contexts, or other blocks.
+    """
     if len(planned) != len(contexts):
         raise InvalidInputError(f"{name}: returned {len(planned)} contexts for {len(contexts)} requests")
+    out = []
     for index, (before, after) in enumerate(zip(contexts, planned)):
         if Counter(before) != Counter(after):
             raise InvalidInputError(f"{name}: request {index}'s blocks are not a permutation of its input")
+        key_of: dict[Hashable, str] = {key: key for key in before}
+        out.append([key_of[key] for key in after])
+    return out
 
 
 def plan_original(batch: PlanInput) -> StrategyPlan:
@@ -107,11 +115,10 @@ def plan_cpmemory(batch: PlanInput) -> StrategyPlan:
     from cpmemory.core.planner import plan_batch
 
     started = time.perf_counter()
-    result = plan_batch([list(c) for c in batch.contexts], sessions=list(batch.sessions),
-                        token_counts=dict(batch.token_counts))
+    token_counts: dict[Hashable, float] = dict(batch.token_counts.items())
+    result = plan_batch([list(c) for c in batch.contexts], sessions=list(batch.sessions), token_counts=token_counts)
     seconds = time.perf_counter() - started
-    contexts = [[str(key) for key in c] for c in result.contexts]
-    check_permutations(batch.contexts, contexts, "cpmemory")
+    contexts = checked_contexts(batch.contexts, result.contexts, "cpmemory")
     return StrategyPlan(keep_turn_order(list(result.order), batch.sessions), contexts, seconds)
 
 

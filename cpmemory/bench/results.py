@@ -66,7 +66,7 @@ class StrategyResult:
     def summary(self) -> dict[str, Any]:
         """The per-strategy JSON object."""
         overhead = np.asarray(self.overhead_ms or [0.0])
-        out = {
+        out: dict[str, Any] = {
             "hit_rate": round(self.hit_rate, 6),
             "prompt_tokens": self.prompt_tokens,
             "cached_tokens": self.cached_tokens,

@@ -455,7 +455,8 @@ def command(
         per_run = min(requests, len(trace.requests))
         calibrating = min(calibrate_requests, per_run) if load else 0
         total = calibrating + per_run * len(settings.strategies) * rounds * len(load or rates)
-        reports, ttfts, capacity = [], {}, None
+        reports, capacity = [], None
+        ttfts: dict[str, Any] = {}
         records: list[dict[str, Any]] = []
         with report_module.progress_bar(total, f"serve {trace.name}") as advance:
             if load:

@@ -148,13 +148,14 @@ class StrategyRun:
         """The per-strategy JSON object (exactly :data:`FIGURES`)."""
         ok = self.answered()
         ttfts = [o.ttft_ms for o in ok if o.ttft_ms is not None]
+        latencies = [o.latency_ms for o in ok if o.latency_ms is not None]
         prompt = sum(o.prompt_tokens for o in ok)
         wall = self.wall_s or math.inf
         return {
             "ttft_mean_ms": round(statistics.fmean(ttfts), 2) if ttfts else None,
             "ttft_p50_ms": round(percentile(ttfts, 0.5), 2) if ttfts else None,
             "ttft_p90_ms": round(percentile(ttfts, 0.9), 2) if ttfts else None,
-            "latency_mean_ms": round(statistics.fmean(o.latency_ms for o in ok), 2) if ok else None,
+            "latency_mean_ms": round(statistics.fmean(latencies), 2) if latencies else None,
             "throughput_rps": round(len(ok) / wall, 4), "prompt_tokens_per_s": round(prompt / wall, 1),
             "cached_tokens": sum(o.cached_tokens for o in ok), "prompt_tokens": prompt,
             "errors": len(self.outcomes) - len(ok), "lost_blocks": self.lost_blocks,
@@ -274,7 +275,7 @@ def select_jobs(trace: Trace, settings: ServeSettings, run_id: str) -> list[list
     arrivals = _arrivals(trace, chosen, settings)
     jobs = []
     for turns in chosen:
-        row = []
+        row: list[Job] = []
         for request, item in turns:
             conversation = f"{run_id}:{request.session}"
             if not trace.multi_turn:

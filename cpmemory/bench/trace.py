@@ -218,10 +218,10 @@ def parse_lines(lines: Iterable[str], *, name: str = "trace", skip_bad: bool = F
             continue
         problem = _arrival_problem(request, requests)
         if problem:
-            error = TraceFormatError(line_number, problem)
+            bad = TraceFormatError(line_number, problem)
             if not skip_bad:
-                raise error
-            skipped.append(error)
+                raise bad
+            skipped.append(bad)
             continue
         last_turn[request.session] = request.turn
         requests.append(request)
