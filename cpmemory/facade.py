@@ -39,7 +39,7 @@ from cpmemory.session.lifecycle import FacadeCore, IndexEvictor, is_store_failur
 from cpmemory.session.turns import PreparedTurn, reserve_request
 from cpmemory.stores.base import AsyncSessionStore, SessionStore
 from cpmemory.stores.memory import AsyncInMemorySessionStore, InMemorySessionStore
-from cpmemory.types import BatchPlan, ConversationKey, ConversationState, Reservation
+from cpmemory.types import BatchPlan, ConversationKey, ConversationState, Reservation, TurnRecord
 
 logger = logging.getLogger(__name__)
 
@@ -135,20 +135,9 @@ class CpMemory(FacadeCore):
         done = 0
         try:
             for _, record in back.rewrite:
-                opened = opened or self.store.reserve(key, self._late_request())
-                self.store.commit(key, opened.reservation_id, record)
-                opened = None
+                opened = self._write_one(key, opened, "", record)
             for kept in back.kept:
-                if kept.reservation_id:  # its own reservation first: a commit that had landed is not repeated
-                    try:
-                        self.store.commit(key, kept.reservation_id, kept.record)
-                        done += 1
-                        continue
-                    except (ReservationExpiredError, UnknownReservationError):
-                        pass
-                opened = opened or self.store.reserve(key, self._late_request())
-                self.store.commit(key, opened.reservation_id, kept.record)
-                opened = None
+                opened = self._write_one(key, opened, kept.reservation_id, kept.record)
                 done += 1
         except BaseException:
             self._recent.give_back(key, back.kept[done:])
@@ -157,6 +146,28 @@ class CpMemory(FacadeCore):
             if opened is not None:
                 self._release(key, opened.reservation_id)
         self._wrote_back(key, done)
+
+    def _write_one(
+        self, key: ConversationKey, opened: Reservation | None, reservation_id: str, record: TurnRecord
+    ) -> Reservation | None:
+        """Commit one kept record (under ``reservation_id`` first: one that had landed is not repeated; else under
+        ``opened`` or a new reservation); returns the reservation still open. A store failure is raised; any other
+        error drops the record (logged, counted)."""
+        try:
+            if reservation_id:
+                try:
+                    self.store.commit(key, reservation_id, record)
+                    return opened
+                except (ReservationExpiredError, UnknownReservationError):
+                    pass
+            opened = opened or self.store.reserve(key, self._late_request())
+            self.store.commit(key, opened.reservation_id, record)
+            return None
+        except Exception as error:
+            if is_store_failure(error):
+                raise
+            self._write_back_failed(error)
+            return opened
 
     def commit(self, turn_or_reservation_id: PreparedTurn | str, answer: str, *, late: bool = False) -> int:
         """Make the turn durable with the model's answer; returns the committed turn number.
@@ -341,20 +352,9 @@ class AsyncCpMemory(FacadeCore):
         done = 0
         try:
             for _, record in back.rewrite:
-                opened = opened or await self.store.reserve(key, self._late_request())
-                await self.store.commit(key, opened.reservation_id, record)
-                opened = None
+                opened = await self._write_one(key, opened, "", record)
             for kept in back.kept:
-                if kept.reservation_id:
-                    try:
-                        await self.store.commit(key, kept.reservation_id, kept.record)
-                        done += 1
-                        continue
-                    except (ReservationExpiredError, UnknownReservationError):
-                        pass
-                opened = opened or await self.store.reserve(key, self._late_request())
-                await self.store.commit(key, opened.reservation_id, kept.record)
-                opened = None
+                opened = await self._write_one(key, opened, kept.reservation_id, kept.record)
                 done += 1
         except BaseException:
             self._recent.give_back(key, back.kept[done:])
@@ -363,6 +363,26 @@ class AsyncCpMemory(FacadeCore):
             if opened is not None:
                 await self._release(key, opened.reservation_id)
         self._wrote_back(key, done)
+
+    async def _write_one(
+        self, key: ConversationKey, opened: Reservation | None, reservation_id: str, record: TurnRecord
+    ) -> Reservation | None:
+        """See :meth:`CpMemory._write_one`."""
+        try:
+            if reservation_id:
+                try:
+                    await self.store.commit(key, reservation_id, record)
+                    return opened
+                except (ReservationExpiredError, UnknownReservationError):
+                    pass
+            opened = opened or await self.store.reserve(key, self._late_request())
+            await self.store.commit(key, opened.reservation_id, record)
+            return None
+        except Exception as error:
+            if is_store_failure(error):
+                raise
+            self._write_back_failed(error)
+            return opened
 
     async def commit(self, turn_or_reservation_id: PreparedTurn | str, answer: str, *, late: bool = False) -> int:
         """See :meth:`CpMemory.commit`."""

@@ -220,6 +220,10 @@ class FacadeCore:
         self.counters.add(local_writebacks=count)
         logger.info("%d turns kept during a store outage written back", count)
 
+    def _write_back_failed(self, error: Exception) -> None:
+        logger.error("a turn kept during a store outage could not be written back and is dropped: %r", error)
+        self.counters.add(local_commits_lost=1)
+
     def _committed_late(self, turn: PreparedTurn) -> None:
         logger.info("turn %s committed late (its reservation had timed out)", turn.request_id or turn.reservation_id)
         self.counters.add(late_commits=1)

@@ -251,6 +251,22 @@ def test_commit_store_failure_is_kept_nothing_referenced_meanwhile_then_written_
     assert mem.counters.snapshot()["local_writebacks"] == 2
 
 
+class RefusingCommitStore(InMemorySessionStore):
+    error: Exception = TimeoutError("timed out")
+
+    def commit(self, key, reservation_id, record):  # type: ignore[override]
+        raise self.error
+
+
+def test_a_kept_commit_the_store_refuses_for_another_reason_is_dropped_not_retried_forever() -> None:
+    store = RefusingCommitStore()
+    mem = CpMemory(store=store)
+    mem.commit(mem.prepare("c", "q", blocks(1)), "a")  # kept: the store timed out
+    store.error = ValueError("refused")
+    turn = mem.prepare("c", "q2", blocks(1))  # the write-back drops it; the turn goes on
+    assert not turn.degraded and mem.counters.snapshot()["local_commits_lost"] == 1
+
+
 def test_tenants_do_not_share_dedup_or_index() -> None:
     mem = CpMemory()
     run_turn(mem, "c", (1, 2), tenant="t1")
