@@ -80,7 +80,10 @@ class CpMemory(FacadeCore):
             query: the user's question.
             blocks: context blocks, best-ranked first (Block, {"id", "text"} or (id, text)); a repeated id keeps
                 its first occurrence.
-            history: messages to send before this turn; None uses the stored transcript. References are made only
+            history: messages to send before this turn; None uses the stored transcript. A history that is the
+                committed conversation (each user message as sent or as its plain question, the answers, in order)
+                is planned from the turns as they were sent, so the prefix and references match a call without
+                history (``cpmemory.session.reconcile``; ``turn.history`` says which). References are made only
                 to text present in the history sent.
             tenant: the tenant (isolates state and index).
             system_prompt: overrides the configured system prompt.
