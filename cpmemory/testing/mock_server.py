@@ -14,7 +14,7 @@ Example::
 """
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import typer
@@ -39,8 +39,9 @@ def describe_prompt(engine: MockEngine) -> Any:
     return reply
 
 
-def build_app(engine: MockEngine) -> Any:
-    """A Starlette app that serves ``engine`` (each request is answered in a worker thread: the mock may sleep)."""
+def build_app(engine: MockEngine, routes: Sequence[Any] = ()) -> Any:
+    """A Starlette app that serves ``engine`` (a worker thread answers when the mock sleeps per prefill token);
+    ``routes`` (Starlette routes, e.g. test-only inspection endpoints) are matched first."""
     import httpx
     from starlette.applications import Starlette
     from starlette.concurrency import run_in_threadpool
@@ -51,12 +52,16 @@ def build_app(engine: MockEngine) -> Any:
     async def forward(request: Request) -> Response:
         inner = httpx.Request(request.method, str(request.url), headers=request.headers.raw,
                               content=await request.body())
-        answer = await run_in_threadpool(engine.handle, inner)
+        # in arrival order on the loop, as one engine serves them; in a worker thread only when it sleeps per token
+        if engine.prefill_s_per_token:
+            answer = await run_in_threadpool(engine.handle, inner)
+        else:
+            answer = engine.handle(inner)
         headers = {key: value for key, value in answer.headers.items()
                    if key.lower() not in ("content-length", "content-encoding")}
         return Response(answer.content, status_code=answer.status_code, headers=headers)
 
-    return Starlette(routes=[Route("/{path:path}", forward, methods=["GET", "POST"])])
+    return Starlette(routes=[*routes, Route("/{path:path}", forward, methods=["GET", "POST"])])
 
 
 def kv_event_listener(endpoint: str) -> Any:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import sys
 
-import httpx
 import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -16,6 +15,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from cpmemory.testing.mock_engine import MockEngine
+from cpmemory.testing.mock_server import build_app
 
 
 def build(engine: MockEngine) -> Starlette:
@@ -23,15 +23,7 @@ def build(engine: MockEngine) -> Starlette:
         return JSONResponse([{"request_id": r["request_id"], "messages": r["body"].get("messages"),
                               "cache_salt": r["body"].get("cache_salt")} for r in engine.requests])
 
-    async def forward(request: Request) -> Response:
-        inner = httpx.Request(request.method, str(request.url), headers=request.headers.raw,
-                              content=await request.body())
-        answer = engine.handle(inner)
-        headers = {k: v for k, v in answer.headers.items() if k.lower() not in ("content-length", "content-encoding")}
-        return Response(answer.content, status_code=answer.status_code, headers=headers)
-
-    return Starlette(routes=[Route("/_mock/requests", recorded),
-                             Route("/{path:path}", forward, methods=["GET", "POST"])])
+    return build_app(engine, [Route("/_mock/requests", recorded)])
 
 
 def main(argv: list[str]) -> None:
