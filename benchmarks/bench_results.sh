@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Regenerate the README "Results" figures: every workload at tight (20%) and roomy (200%) cache capacity.
+# Regenerate the replay results (docs/results/replay.md): every workload at tight (20%) and roomy (200%) cache capacity.
 # Writes docs/img/bench-<workload>-<tight|roomy>.{json,png} and docs/img/bench-results.md (the markdown table).
-# Usage (from the repository root): scripts/bench_results.sh [DATA_DIR]   (default ../shared/data)
+# Usage (from the repository root): benchmarks/bench_results.sh [DATA_DIR]   (default ../shared/data)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DATA_DIR="${1:-../shared/data}"
@@ -20,7 +20,7 @@ done
 "$PY" - "$OUT" <<'PY'
 import json, sys
 from pathlib import Path
-from cpmemory.bench.report import markdown_row
+from cpmemory_benchmarks.replay_report import markdown_row
 out = Path(sys.argv[1])
 lines = ["| workload | cache | original | original+lpm | popularity | reorder | reorder+schedule | contextpilot"
          " | cpmemory | MST bound | position-free bound |", "|---" * 11 + "|"]

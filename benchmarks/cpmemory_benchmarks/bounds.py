@@ -15,7 +15,7 @@ template, block headers). Three bounds:
   inverted index over segments; ``scipy.sparse.csgraph.minimum_spanning_tree`` on negated weights) plus the frames
   and seams of all requests but one. It holds for any order, schedule and cache size, and never exceeds the oracle.
 * :func:`exact_trie_optimum` (small batches only): the most block tokens any block orders can reuse, found by a
-  dynamic programme over subsets (O(3^n), n <= 16). The planner's tests and ``scripts/planner_ceiling.py`` use it to
+  dynamic programme over subsets (O(3^n), n <= 16). The planner's tests and ``cpmemory_benchmarks.studies.planner_ceiling`` use it to
   measure how far the planner is from the optimum and how far the optimum is from the MST bound.
 * :func:`dedup_bound_tokens` (multi-turn): tokens of blocks whose content was already shown in an earlier turn of
   the same session: what de-duplication could remove at most.

@@ -310,7 +310,7 @@ def run_online_strategy(name: str, trace: Trace, prepared: Sequence[PreparedRequ
 
     Args:
         workers: (Redis URL, K, key prefix): the product runs as K facades on that Redis (None: one in memory).
-        strategy: an already built strategy to run under ``name`` (``scripts/online_ceiling.py``); default the
+        strategy: an already built strategy to run under ``name`` (``cpmemory_benchmarks.studies.online_ceiling``); default the
             registered one.
     """
     from cpmemory.core.invariants import check_no_loss

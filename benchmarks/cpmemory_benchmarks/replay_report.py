@@ -133,7 +133,7 @@ def plot_replay(report: ReplayReport, path: Path) -> None:
 
 
 def markdown_row(report_json: dict[str, Any], capacity_label: str) -> str:
-    """One markdown table row of a replay JSON (used by scripts/bench_results.sh)."""
+    """One markdown table row of a replay JSON (used by benchmarks/bench_results.sh)."""
     strategies = report_json["strategies"]
     names = ("original", "original+lpm", "popularity", "reorder", "reorder+schedule", "contextpilot", "cpmemory")
     cells = [_pct(strategies[name]["hit_rate"]) if name in strategies else "n/a" for name in names]

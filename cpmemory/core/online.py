@@ -218,7 +218,7 @@ class OnlineOrderer:
           (:meth:`cached_estimate`; a tie keeps the online orders, which also build the trunks later windows
           reuse). The model starts from the trie's most recently used nodes up to ``capacity`` and charges each
           prompt its own tail besides its blocks (:meth:`note_tail`, the question and template), which a window
-          in arrival order evicts its own early prefixes with. Measured at 20% (``scripts/window_sweep.py``,
+          in arrival order evicts its own early prefixes with. Measured at 20% (``cpmemory_benchmarks.studies.window_sweep``,
           gain share; before: the batch plan for every such window): MultiHop-RAG W=48 0.473 -> 0.526, W=64
           0.497 -> 0.525 (above online ``popularity`` now: 42.45% vs 41.38%, 42.41% vs 41.90% hit), W=96
           0.553 -> 0.546, W=128 0.637 (same); LoCoMo W=96 0.657 -> 0.697, W=128 0.764 -> 0.768; synthetic the

@@ -19,7 +19,7 @@ The planner builds both, plus the retrieval order and a popularity sort as fallb
 saves most tokens, computed exactly from the orders (sum of token-weighted common prefixes of lexicographic
 neighbours). It then improves that trie by local search (:mod:`cpmemory.core.planner_search`: subtree
 prune-and-regraft moves with a perturbation ratchet), which only ever raises the tokens saved; on sampled sub-batches
-of 8-12 requests the result is within 0.2% of the exact optimum (``scripts/planner_ceiling.py``). This is a choice by the objective, not by workload; with an unbounded cache the reuse of a set of
+of 8-12 requests the result is within 0.2% of the exact optimum (``cpmemory_benchmarks.studies.planner_ceiling``). This is a choice by the objective, not by workload; with an unbounded cache the reuse of a set of
 orders does not depend on the schedule, and the lexicographic schedule attains it under any cache holding one
 prompt, so the plan never reuses fewer block tokens than retrieval order or a popularity sort would.
 

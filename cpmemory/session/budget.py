@@ -18,7 +18,7 @@ any tokenizer, and the 8K-vocabulary test model (the ``.ci`` tiny model) reaches
 texts (0.69 in total; with its chat template it counts up to 1.11x the planned size of `bench conversation`'s
 prompts of made-up words, where tekken and SentencePiece count 0.83x and 0.92x): for those, count with
 the engine's tokenizer or with :func:`utf8_bytes` (a strict bound for any byte-level BPE).
-``scripts/check_token_estimate.py`` reruns the comparison.
+``python -m cpmemory_benchmarks.studies.token_estimate`` (benchmarks/) reruns the comparison.
 """
 
 from __future__ import annotations

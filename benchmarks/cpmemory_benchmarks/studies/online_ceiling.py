@@ -2,7 +2,7 @@
 
 Usage::
 
-    .venv/bin/python scripts/online_ceiling.py [multihop locomo synthetic] [--capacity 20%] [--seeds 2]
+    .venv/bin/python -m cpmemory_benchmarks.studies.online_ceiling [multihop locomo synthetic] [--capacity 20%] [--seeds 2]
 
 Every row runs the trace in arrival order through the same simulated cache as ``bench replay --online`` (plain
 prompts, no de-duplication), so only the block order differs. Rows:
@@ -32,23 +32,21 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from cpmemory.bench import online
 from cpmemory.bench.loaders import load_workload
-from cpmemory.bench.replay import (
-    PlainPromptBuilder,
+from cpmemory.bench.offline import (
     ReplaySettings,
-    chat_tokens,
     original_contents,
-    prepare_requests,
+    replay_offline,
     resolve_capacity,
-    run_replay,
     system_prompt_for,
     unique_tokens,
 )
+from cpmemory.bench.prompts import PlainPromptBuilder, chat_tokens, prepare_requests
 from cpmemory.bench.simulator import PrefixCacheSimulator
 from cpmemory.bench.tokenizer import count_tokens
 from cpmemory.core.online import OnlineOrderer
 from cpmemory.core.planner import plan_batch
+from cpmemory_benchmarks import online
 
 
 class _Orderer(online._Plain):
@@ -79,7 +77,8 @@ class _OracleMatch(_Orderer):
         base = super().choose(index, size)
         request, prepared = self.context.trace.requests[index], self.context.prepared[index]
         probe = PlainPromptBuilder(self.context.system_prompt, False)
-        path, rest, best = [], list(base), -1
+        path: list[str] = []
+        rest, best = list(base), -1
         while rest:
             tried = []
             for position, key in enumerate(rest):
@@ -155,7 +154,7 @@ def main() -> None:
     for workload in args.workloads:
         base = load_workload(workload, args.data_dir)
         traces = [base] + [_shuffled(base, seed) for seed in range(args.seeds)]
-        offline = run_replay(base, ReplaySettings(capacity=args.capacity, strategies=("original", "cpmemory")))
+        offline = replay_offline(base, ReplaySettings(capacity=args.capacity, strategies=("original", "cpmemory")))
         low, high = offline.results["original"].hit_rate, offline.results["cpmemory"].hit_rate
         table = Table(title=f"{workload}, {args.capacity}: W=1 block orders in arrival order "
                             f"(offline planner {high:.1%}, original {low:.1%})")

@@ -2,13 +2,13 @@
 
 Usage::
 
-    .venv/bin/python scripts/planner_ceiling.py [multihop locomo synthetic] [--sizes 8,10,12] [--samples 20]
+    .venv/bin/python -m cpmemory_benchmarks.studies.planner_ceiling [multihop locomo synthetic] [--sizes 8,10,12] [--samples 20]
 
 For each workload and size k it samples sub-batches of k requests, each around an anchor request: ``near`` takes
 the anchor's k-1 most overlapping requests (a tight cluster, the best case for sharing), ``random`` takes k-1 random
 requests that share at least one block with the anchor. On each it computes, in block tokens:
 
-* the exact optimum over all block orders (``cpmemory.bench.bounds.exact_trie_optimum``, a subset DP),
+* the exact optimum over all block orders (``cpmemory_benchmarks.bounds.exact_trie_optimum``, a subset DP),
 * what ``plan_batch`` reuses,
 * the MST bound (``mst_block_reuse``: maximum spanning forest of pairwise overlaps).
 
@@ -19,7 +19,7 @@ planner's reuse over the MST bound, with the search off and on. Seeded; a run ta
 from __future__ import annotations
 
 import argparse
-import sys
+from collections.abc import Hashable
 from pathlib import Path
 
 import numpy as np
@@ -27,14 +27,33 @@ from rich.console import Console
 from rich.progress import track
 from rich.table import Table
 
-sys.path.insert(0, str(Path(__file__).parent))
-
-from planner_eval import block_tokens, contexts_of
-
-from cpmemory.bench.bounds import exact_trie_optimum, mst_block_reuse
 from cpmemory.bench.loaders import load_workload
+from cpmemory.bench.tokenizer import tokenize_cached
+from cpmemory.bench.trace import Trace
+from cpmemory.core.blocks import content_hash, label_for_hash
 from cpmemory.core.planner import plan_batch, trie_savings
 from cpmemory.core.planner_tree import first_seen_ranks
+from cpmemory_benchmarks.bounds import exact_trie_optimum, mst_block_reuse
+
+
+def block_tokens(text: str) -> tuple[int, ...]:
+    """Token ids of a block as a prompt renders it (label line, text, separator)."""
+    return tokenize_cached(f"[{label_for_hash(content_hash(text))}] {text}\n\n")
+
+
+def contexts_of(trace: Trace) -> tuple[list[list[str]], dict[str, str]]:
+    """Each request's distinct block keys (content hashes, retrieval order) and the text of every key."""
+    texts: dict[str, str] = {}
+    contexts = []
+    for request in trace.requests:
+        keys: list[str] = []
+        for block in request.blocks:
+            key = content_hash(block.text)
+            texts[key] = block.text
+            if key not in keys:
+                keys.append(key)
+        contexts.append(keys)
+    return contexts, texts
 
 
 def planned_reuse(contexts, weights, ratchet_steps=8) -> float:
@@ -73,7 +92,7 @@ def main() -> None:
         full.add_column(column, justify="right")
     for name in args.workloads:
         contexts, texts = contexts_of(load_workload(name, args.data_dir))
-        weights = {key: len(block_tokens(text)) for key, text in texts.items()}
+        weights: dict[Hashable, float] = {key: len(block_tokens(text)) for key, text in texts.items()}
         for size in sizes:
             for how in ("near", "random"):
                 rng = np.random.default_rng(args.seed)

@@ -2,16 +2,16 @@
 
 Usage::
 
-    .venv/bin/python scripts/window_sweep.py [--workloads multihop locomo synthetic] [--windows 1 8 32 64 128 256]
+    .venv/bin/python -m cpmemory_benchmarks.studies.window_sweep [--workloads multihop locomo synthetic] [--windows 1 8 32 64 128 256]
         [--capacity 20%] [--data-dir DIR] [--shuffle SEED] [--json] [--plot F.png]
 
-Per workload the offline strategies ``original`` and ``cpmemory`` run once (``run_replay``), then, per W, the online
+Per workload the offline strategies ``original`` and ``cpmemory`` run once (``replay_offline``), then, per W, the online
 ``original`` and ``cpmemory`` run exactly as ``cpmemory bench replay --online --window W`` runs them
 (``run_online``, a fresh cache each): the figures are that command's ``"online"`` object for ``cpmemory``
 (``gain_share``, ``gain_share_second_half``; the other online baselines do not change them). The table ends with
 the smallest W measured that reaches issue 15's targets (W=1: 0.60 MultiHop-RAG and synthetic, 0.50 LoCoMo;
 W=32: 0.75 / 0.60 / 0.75), over the whole trace and over its second half (the cache warm from the first).
-``--shuffle SEED`` runs a shuffle of the arrival order instead (as ``scripts/online_ceiling.py --seeds``
+``--shuffle SEED`` runs a shuffle of the arrival order instead (as ``cpmemory_benchmarks.studies.online_ceiling --seeds``
 shuffles: LoCoMo's questions within their conversation, the conversations in trace order; the others whole).
 ``--json`` prints one JSON object on stdout (the table then goes to stderr); ``--plot`` draws share against W.
 """
@@ -30,9 +30,10 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from cpmemory.bench.loaders import load_workload
-from cpmemory.bench.online import run_online
-from cpmemory.bench.replay import ReplaySettings, prepare_requests, run_replay, system_prompt_for
+from cpmemory.bench.offline import ReplaySettings, replay_offline, system_prompt_for
+from cpmemory.bench.prompts import prepare_requests
 from cpmemory.bench.trace import Trace
+from cpmemory_benchmarks.online import run_online
 
 # issue 15's gain-share targets per trace: (at W=1, at W=32)
 TARGETS = {"multihop": (0.60, 0.75), "locomo": (0.50, 0.60), "synthetic": (0.60, 0.75)}
@@ -62,7 +63,7 @@ def sweep(workload: str, windows: list[int], capacity_spec: str, data_dir: Path 
     requests = len(trace.requests)
     task = progress.add_task(f"{workload}: offline", total=requests * 2 * (1 + len(windows)))
     settings = ReplaySettings(capacity=capacity_spec, strategies=("original", "cpmemory"))
-    replay = run_replay(trace, settings, lambda steps: progress.advance(task, steps))
+    replay = replay_offline(trace, settings, progress=lambda steps: progress.advance(task, steps))
     prepared, system_prompt, capacity = prepare_requests(trace), system_prompt_for(settings), replay.capacity_tokens
     rows, online = [], {}
     for window in windows:
