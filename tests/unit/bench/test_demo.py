@@ -47,7 +47,12 @@ def test_a_cache_holding_the_working_set_raises_plain_caching_most(figures: dict
     assert figures["online"]["working_set"]["prefill_reduction"] < figures["offline"]["tight"]["prefill_reduction"]
 
 
-def test_json_keeps_the_earlier_keys_and_the_table_explains_every_term() -> None:
+def test_json_keeps_the_earlier_keys_and_the_table_explains_every_term(
+    figures: dict, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import cpmemory.bench.demo as demo
+
+    monkeypatch.setattr(demo, "run_demo", lambda seed: figures)  # the figures above: the command's output only
     runner = CliRunner()
     result = runner.invoke(app, ["demo", "--json", "--seed", "3"])
     assert result.exit_code == 0, result.output
