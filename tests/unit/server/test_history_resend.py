@@ -170,3 +170,18 @@ async def test_mt_rag_replay_resending_history_matches_new_message_only(make_pro
     assert abs(resent.deduplicated - only_new.deduplicated) <= 0.02 * only_new.deduplicated
     assert abs(resent.cached_tokens - only_new.cached_tokens) <= 0.02 * only_new.cached_tokens
     assert resent.outcomes["matched"] == len(resent.prompts) - len(conversations)
+
+
+async def test_the_sdk_answer_object_appended_as_is_matches(make_proxy) -> None:
+    proxy = make_proxy()
+    client = sdk_client(proxy)
+    blocks = synthetic(1, 1)["c0"][0][1]
+    extension = {"cpmemory": {"conversation_id": "o", "blocks": blocks}}
+    messages: list[Any] = [{"role": "user", "content": "first?"}]
+    try:
+        first = await client.chat.completions.create(model="tiny", messages=messages, extra_body=extension)
+        messages += [first.choices[0].message, {"role": "user", "content": "second?"}]  # the SDK's own object
+        second = await client.chat.completions.create(model="tiny", messages=messages, extra_body=extension)
+    finally:
+        await client.close()
+    assert second.model_extra["cpmemory"]["history"] == "matched"
