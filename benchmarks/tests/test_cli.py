@@ -35,3 +35,15 @@ def test_the_research_commands_are_listed_under_bench() -> None:
     assert result.exit_code == 0
     for name in ("replay", "hold", "serve", "load", "core", "store", "plan", "conversation"):
         assert name in result.output
+
+
+def test_without_the_benchmarks_the_research_commands_say_how_to_install_them(monkeypatch) -> None:
+    from cpmemory import cli as cpmemory_cli
+
+    monkeypatch.setattr(cpmemory_cli, "entry_points", lambda group: ())
+    bench = typer.Typer()
+    bench.command("core")(lambda: None)
+    cpmemory_cli._register_research(bench)
+    result = CliRunner().invoke(bench, ["replay", "--workload", "mt_rag", "--json"])
+    assert result.exit_code == 2
+    assert "pip install -e benchmarks" in result.output
