@@ -3,7 +3,8 @@
 Flow of a request carrying the ``cpmemory`` extension (or the ``X-Cpmemory-Conversation`` header)::
 
     [hold while the replicas are full (server.hold), release in planner order]
-        -> prepare (facade: dedup, reorder, annotate)
+        -> prepare (facade: a resent history reconciled with the transcript, dedup, reorder, annotate;
+                    the store unreachable: a pass-through with the conversation's local history)
         -> [cache-fit admission (server.fit): a new conversation waits until a replica's cache has room for it]
         -> dispatch to the conversation's replica (failover)
         -> success: commit the answer                  -> failure: abort (the stored state is unchanged)
@@ -13,7 +14,8 @@ conversation history (a plain request, a conversation's first turn) goes where i
 permitting (the router's prefix view: the replicas' KV events when configured, else what was sent where); a
 conversation's later turns keep their replica. Behind a gateway (``upstream``) the gateway picks the replica.
 Every request to an engine carries a request id and the tenant's ``cache_salt`` (a client-sent salt is replaced,
-so a tenant can never share prefix-cache entries with another).
+so a tenant can never share prefix-cache entries with another). Where a turn goes is :mod:`server.placement`; how a
+chat request becomes a turn, :mod:`server.turn_request`.
 """
 from __future__ import annotations
 
