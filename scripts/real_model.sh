@@ -132,7 +132,14 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 gguf, out = Path(sys.argv[1]), Path(sys.argv[2])
 tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, torch_dtype=torch.bfloat16)
+options = {"dtype": torch.bfloat16}
+try:  # transformers that can keep GGUF weights packed: ask for plain dense weights
+    from transformers import GgufConfig
+
+    options["quantization_config"] = GgufConfig(dequantize=True)
+except ImportError:  # older transformers always dequantize (and name the option torch_dtype)
+    options = {"torch_dtype": torch.bfloat16}
+model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, **options)
 # The weights are dequantized on load; the quantizer left behind makes save_pretrained refuse ("quantized with
 # gguf"). Dropping it saves plain bf16 weights.
 model.hf_quantizer = None
