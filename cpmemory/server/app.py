@@ -23,7 +23,7 @@ from typing import Any
 
 from cpmemory._version import __version__
 from cpmemory.engines.client import AsyncEngineClient, EngineSettings
-from cpmemory.errors import EngineError, InvalidInputError, MissingDependencyError
+from cpmemory.errors import EngineError, InvalidInputError, MissingDependencyError, PromptBudgetError
 from cpmemory.hosted.transport import build_hosted_transport
 from cpmemory.routing.dispatch import Dispatcher
 from cpmemory.routing.prefix import EventPrefixView
@@ -243,6 +243,8 @@ async def _respond(service: ProxyService, request: ChatCompletionRequest, tenant
         if turn is None:
             return await _plain(service, request, tenant, started, admission)
         prepared = await service.prepare(tenant, turn, request)
+    except PromptBudgetError as error:
+        return await budget_error(service, request, error)
     except InvalidInputError as error:
         return error_response(400, "invalid_request_error", "invalid_input", str(error))
     except EngineError as error:
@@ -286,9 +288,22 @@ async def answer_tokens_error(service: ProxyService, request: ChatCompletionRequ
     extra = request.model_extra or {}
     field = "max_completion_tokens" if extra.get("max_completion_tokens") == answer else "max_tokens"
     return error_response(
-        400, "invalid_request_error", "context_length_exceeded",
+        400, "invalid_request_error", "invalid_input",
         f"{field} is {answer} but the model's context is {limits.max_model_len} tokens: the answer alone would fill "
         f"it, leaving no room for the prompt; ask for fewer than {limits.max_model_len} tokens", param=field)
+
+
+async def budget_error(service: ProxyService, request: ChatCompletionRequest, error: PromptBudgetError) -> Any:
+    """The 400 of a turn whose prompt cannot fit: when the request reserves answer tokens, the message says the
+    budget is the context less them and ``param`` names the field (the cut a client can make); else as raised."""
+    extra = request.model_extra or {}
+    field = next((name for name in ("max_completion_tokens", "max_tokens") if isinstance(extra.get(name), int)), None)
+    limits = await service.engine_budget.limits(request.model) if service.engine_budget is not None else None
+    if field is None or limits is None or limits.max_model_len is None:
+        return error_response(400, "invalid_request_error", "invalid_input", str(error))
+    message = (f"{error}: the prompt's budget is the model's context ({limits.max_model_len} tokens) less {field} "
+               f"({extra[field]}); ask for fewer answer tokens, or send fewer or shorter blocks")
+    return error_response(400, "invalid_request_error", "invalid_input", message, param=field)
 
 
 def held_tokens(service: ProxyService, request: ChatCompletionRequest, turn: TurnInput | None) -> int:

@@ -89,6 +89,11 @@ async def test_max_tokens_that_fills_the_context_is_a_400_naming_it(make_proxy) 
         assert rejected.status_code == 400 and error["param"] == field and field in error["message"]
         assert "block" not in error["message"]
     assert not proxy.fleet.calls
+    # below the context but leaving a block no room: the error says the budget is what max_tokens left
+    crowded = await proxy.client.post("/v1/chat/completions", json=turn("m", "q", max_tokens=4000))
+    error = crowded.json()["error"]
+    assert crowded.status_code == 400 and error["param"] == "max_tokens" and "max_tokens (4000)" in error["message"]
+    assert not proxy.fleet.calls
     fits = await proxy.client.post("/v1/chat/completions", json=turn("m", "q", max_tokens=512))
     assert fits.status_code == 200 and fits.json()["cpmemory"]["turn"] == 1
 
