@@ -36,7 +36,8 @@ demo: $(DEMO_STAMP)
 test: $(STAMP)
 	$(VENV)/bin/python -m pytest -q $(PYTEST_ARGS)
 
-# ruff (rule set in pyproject.toml), the layer contract (ARCHITECTURE.md), mypy on cpmemory/.
+# ruff (rule set in pyproject.toml), the import contracts (layers, no cycles; ARCHITECTURE.md), mypy on cpmemory/ and
+# benchmarks/cpmemory_benchmarks.
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/lint-imports
@@ -44,10 +45,11 @@ lint: $(STAMP)
 
 # lint + tests/unit (no Redis server, no child process, no real engine: tests/conftest.py refuses a test marked
 # slow/redis/cluster/vllm there) + the contract suites on their in-process implementations (in-memory store, fakeredis,
-# mock engine); their real Redis, Redis Cluster and vLLM parameters carry the markers deselected here.
+# mock engine) + the research benchmarks' tests (benchmarks/tests); the real Redis, Redis Cluster and vLLM
+# parameters carry the markers deselected here.
 OFFLINE = not redis and not cluster and not vllm
 check: lint
-	$(VENV)/bin/python -m pytest -q -x -p no:cacheprovider -m "$(OFFLINE)" tests/unit tests/contract $(PYTEST_ARGS)
+	$(VENV)/bin/python -m pytest -q -x -p no:cacheprovider -m "$(OFFLINE)" tests/unit tests/contract benchmarks/tests $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache
