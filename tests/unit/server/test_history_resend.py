@@ -185,3 +185,20 @@ async def test_the_sdk_answer_object_appended_as_is_matches(make_proxy) -> None:
     finally:
         await client.close()
     assert second.model_extra["cpmemory"]["history"] == "matched"
+
+
+async def test_a_streamed_answer_resent_matches(make_proxy) -> None:
+    proxy = make_proxy()
+    client = sdk_client(proxy)
+    blocks = synthetic(1, 1)["c0"][0][1]
+    extension = {"cpmemory": {"conversation_id": "s", "blocks": blocks}}
+    messages: list[Any] = [{"role": "user", "content": "first?"}]
+    try:
+        stream = await client.chat.completions.create(model="tiny", messages=messages, extra_body=extension,
+                                                      stream=True)
+        answer = "".join([chunk.choices[0].delta.content or "" async for chunk in stream if chunk.choices])
+        messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": "second?"}]
+        second = await client.chat.completions.create(model="tiny", messages=messages, extra_body=extension)
+    finally:
+        await client.close()
+    assert answer and second.model_extra["cpmemory"]["history"] == "matched"
