@@ -115,11 +115,12 @@ async def run_once(requests: Sequence[TraceRequest], settings: Mapping[str, Any]
     fleet = MockFleet(settings["replicas"], block_size=MOCK_BLOCK_SIZE, capacity_blocks=settings["capacity_blocks"])
     transport = PacedTransport(fleet.chat_transport(), settings["slots"], settings["service_ms"] / 1000.0)
     hold_ms = configuration["hold_ms"]
-    extra = {} if hold_ms is None else {"max_in_flight": settings["slots"], "hold_ms": hold_ms}
+    extra = {} if hold_ms is None else {"hold": {"policy": "window", "max_in_flight": settings["slots"],
+                                                 "token_bound": False, "timeout_ms": hold_ms}}
     # the proxy knows each replica's cache, as it reads it from vLLM's /metrics: in its unit of 4 characters a
     # token (the mock counts a byte a token), for the router's sent view and the hold planner's model of the cache
     extra["replica_cache_tokens"] = int(settings["capacity_blocks"] * MOCK_BLOCK_SIZE / MOCK_CHARS_PER_TOKEN)
-    app = create_app(ServerConfig(engines=fleet.urls, **extra), memory=AsyncCpMemory() if configuration["planner"] else FcfsMemory(),
+    app = create_app(ServerConfig.model_validate({"engines": fleet.urls, **extra}), memory=AsyncCpMemory() if configuration["planner"] else FcfsMemory(),
                      transport=transport)
     client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://proxy", timeout=600)
     queue = iter(enumerate(requests))

@@ -42,6 +42,7 @@ from cpmemory.bench.serve_run import (
 )
 from cpmemory.bench.trace import Trace
 from cpmemory.errors import CpMemoryError
+from cpmemory.server.config_file import read_config_file
 
 DEFAULT_REQUESTS = 64
 DEFAULT_CONCURRENCY = 8
@@ -49,37 +50,59 @@ DEFAULT_MAX_TURNS = 6
 DEFAULT_CALIBRATE_REQUESTS = 48
 
 
-@contextlib.asynccontextmanager
-async def in_process_proxy(settings: ServeSettings, cache_tokens: int | None = None, fit: bool = True,
-                           fit_move: bool = True, hold_split: bool = True,
-                           hold: bool = True, pick: bool = True) -> AsyncIterator[tuple[str, Any]]:
-    """Serve a ``cpmemory serve`` app on a free loopback port in this event loop; yields (URL, recording transport).
+ABLATIONS: dict[str, dict[str, Any]] = {
+    "cpmemory-nofit": {"fit": {"enabled": False}},
+    "cpmemory-nomove": {"experimental": {"fit_move": False}},
+    "cpmemory-nosplit": {"experimental": {"hold_split": False}},
+    "cpmemory-nohold": {"hold": {"policy": "off", "max_in_flight": None, "token_bound": None, "timeout_ms": None}},
+}
+"""What each ablation strategy changes in the in-process proxy's configuration (``cpmemory-nopick``: see
+:func:`proxy_config`)."""
 
-    The proxy gets the engines (and ``upstream``, ``kv_events``) of ``settings``; without KV events its router's view
-    of what each replica caches assumes ``cache_tokens`` per replica (the engines' own KV cache size when known);
-    ``fit``: cache-fit admission on (the proxy's default) or off; ``fit_move``: its moves of a conversation that no
-    longer fits its replica (on by default); ``hold_split``: the hold queue's split of a window over the replicas;
-    ``hold``: False leaves the hold queue off whatever ``settings.max_in_flight`` and ``hold_fit`` say; ``pick``:
-    False has it release whole windows whatever ``settings.hold_pick`` says.
-    """
+
+def proxy_config(settings: ServeSettings, cache_tokens: int | None = None, ablation: str | None = None) -> Any:
+    """The in-process proxy's :class:`~cpmemory.server.config.ServerConfig`: ``settings.proxy_config`` (a
+    ``--config`` file's tree) with the run's engines, gateway, KV events, tokenizer and ``--hold`` over it, then the
+    ``ablation`` strategy's change. Without KV events the router's view of what each replica caches assumes
+    ``cache_tokens`` per replica (the engines' own KV cache size when known). Every cross-field rule is the
+    config's own (pydantic's ValidationError)."""
+    from cpmemory.server.config import ServerConfig
+    from cpmemory.server.config_file import merge
+
+    given: dict[str, Any] = {"engines": list(settings.engines), "upstream": settings.upstream,
+                             "kv_events": list(settings.kv_events), "engine_timeout_s": settings.engine_timeout_s}
+    if settings.tokenizer is not None:
+        given["tokenizer"] = settings.tokenizer
+    if settings.upstream_kind is not None:
+        given["upstream_kind"] = settings.upstream_kind
+    if settings.hold is not None:
+        given["hold"] = {"policy": settings.hold}
+    if cache_tokens:
+        given["replica_cache_tokens"] = cache_tokens
+    tree = merge(settings.proxy_config, given)
+    if ablation == "cpmemory-nopick":  # whole windows with the pick's own bounds
+        picked = ServerConfig.model_validate(tree).hold.settings()
+        if picked is not None:
+            tree = merge(tree, {"hold": {"policy": "window", "max_in_flight": picked.max_in_flight,
+                                         "token_bound": picked.token_bound, "timeout_ms": picked.timeout_s * 1000}})
+    elif ablation in ABLATIONS:
+        tree = merge(tree, ABLATIONS[ablation])
+    return ServerConfig.model_validate(tree)
+
+
+@contextlib.asynccontextmanager
+async def in_process_proxy(settings: ServeSettings, cache_tokens: int | None = None,
+                           ablation: str | None = None) -> AsyncIterator[tuple[str, Any]]:
+    """Serve a ``cpmemory serve`` app (:func:`proxy_config`) on a free loopback port in this event loop; yields
+    (URL, recording transport)."""
     import uvicorn
 
     from cpmemory.bench.load import RecordingTransport, _free_port
     from cpmemory.routing.transport import HttpxChatTransport
-    from cpmemory.server.app import ServerConfig, create_app
+    from cpmemory.server.app import create_app
 
     recording = RecordingTransport(HttpxChatTransport())
-    config = ServerConfig(engines=list(settings.engines), upstream=settings.upstream,
-                          kv_events=list(settings.kv_events), engine_timeout_s=settings.engine_timeout_s, fit=fit,
-                          fit_move=fit_move, **({"fit_fill": settings.fit_fill} if settings.fit_fill else {}),
-                          **({"max_in_flight": settings.max_in_flight} if settings.max_in_flight and hold else {}),
-                          hold_fit=settings.hold_fit and hold,
-                          **({"hold_ms": settings.hold_ms} if settings.hold_ms is not None and hold else {}),
-                          hold_split=hold_split, hold_pick=settings.hold_pick and hold and pick,
-                          tokenizer=settings.tokenizer, cache_salt=settings.cache_salt,
-                          engine_priority=settings.engine_priority,
-                          upstream_session=settings.upstream_session and settings.upstream is not None,
-                          **({"replica_cache_tokens": cache_tokens} if cache_tokens else {}))
+    config = proxy_config(settings, cache_tokens, ablation)
     port = _free_port()
     server = uvicorn.Server(uvicorn.Config(create_app(config, transport=recording), host="127.0.0.1", port=port,
                                            log_level="error", lifespan="on", timeout_keep_alive=600))
@@ -124,9 +147,7 @@ async def strategy_client(name: str, settings: ServeSettings, system_prompt: str
         finally:
             await client.aclose()
         return
-    async with in_process_proxy(settings, cache_tokens, fit=name != "cpmemory-nofit",
-                                fit_move=name != "cpmemory-nomove", hold_split=name != "cpmemory-nosplit",
-                                hold=name != "cpmemory-nohold", pick=name != "cpmemory-nopick") as (url, recording):
+    async with in_process_proxy(settings, cache_tokens, name if name != "cpmemory" else None) as (url, recording):
         client = ProxyClient(url, model=settings.model, max_tokens=settings.max_tokens,
                              timeout_s=settings.timeout_s, recording=recording)
         try:
@@ -376,26 +397,15 @@ def command(
     proxy: str | None = typer.Option(None, "--proxy", help="Use a running cpmemory proxy instead of starting one."),
     kv_events: Annotated[list[str] | None, typer.Option("--kv-events", help="KV-event endpoint per --engine.")] = None,
     tokenizer: str | None = typer.Option(None, "--tokenizer", help="The proxy's local tokenizer (serve --tokenizer)."),
-    fit_fill: float | None = typer.Option(None, "--fit-fill", min=0.01, max=1.0,
-                                          help="The in-process proxy's cache-fit fill (serve --fit-fill; default 0.9)."),
-    max_in_flight: int | None = typer.Option(
-        None, "--max-in-flight", min=1,
-        help="The in-process proxy's hold queue: requests per replica before it holds and plans them (serve "
-             "--max-in-flight; default off)."),
-    hold_fit: bool = typer.Option(False, "--hold-fit", help="The in-process proxy's hold queue with its token bound: "
-                                  "it holds while the requests in flight fill the replicas' caches (serve --hold-fit)."),
-    hold_pick: bool = typer.Option(False, "--hold-pick", help="The in-process proxy's hold queue picks one held "
-                                   "request per free replica, the one it caches most of (serve --hold-pick; needs "
-                                   "--max-in-flight)."),
-    hold_ms: float | None = typer.Option(None, "--hold-ms", min=0.0,
-                                         help="The hold queue's longest wait (serve --hold-ms; default 5)."),
-    engine_priority: bool = typer.Option(
-        False, "--engine-priority/--no-engine-priority",
-        help="The in-process proxy's --engine-priority (the engines need --scheduling-policy priority)."),
+    config_file: Path | None = typer.Option(
+        None, "--config", help="The in-process proxy's settings: a TOML or YAML file of cpmemory serve --config."),
+    hold: str | None = typer.Option(None, "--hold", help="The in-process proxy's hold: off, window or pick "
+                                    "(cpmemory serve --hold)."),
+    upstream_kind: str | None = typer.Option(None, "--upstream-kind", help="The in-process proxy's gateway kind "
+                                             "(cpmemory serve --upstream-kind)."),
     upstream_session: bool = typer.Option(
-        False, "--upstream-session", help="Both strategies name each conversation to --upstream (session_params)."),
-    cache_salt: bool = typer.Option(True, "--cache-salt/--no-cache-salt",
-                                    help="The proxy's tenant cache salts (serve --no-cache-salt)."),
+        False, "--upstream-session", help="The original strategy names each conversation to --upstream "
+        "(session_params), as --upstream-kind vllm-router has the proxy do."),
     original_routing: str = typer.Option(
         "session", "--original-routing",
         help="original's conversation affinity: session (first turn to the least loaded replica, then sticky) or "
@@ -437,14 +447,15 @@ def command(
         trace = _load(trace_file, workload, data_dir, multi_turn)
         settings = ServeSettings(
             engines=tuple(engine), upstream=upstream, proxy=proxy, kv_events=tuple(kv_events or ()), tokenizer=tokenizer,
-            fit_fill=fit_fill, max_in_flight=max_in_flight, hold_fit=hold_fit, hold_pick=hold_pick, hold_ms=hold_ms,
-            engine_priority=engine_priority,
-            cache_salt=cache_salt, upstream_session=upstream_session, original_routing=original_routing,
+            hold=hold, upstream_kind=upstream_kind, upstream_session=upstream_session, original_routing=original_routing,
+            proxy_config=read_config_file(config_file) if config_file is not None else {},
             concurrency=concurrency, rate=min(rate) if rate else None, requests=requests, max_turns=max_turns, max_tokens=max_tokens,
             timeout_s=timeout, engine_timeout_s=engine_timeout, model=model, seed=seed, rounds=rounds,
             strategies=tuple(s.strip() for s in strategies.split(",") if s.strip()))
         if settings.kv_events and len(settings.kv_events) != len(settings.engines):
             raise CpMemoryError("give one --kv-events endpoint per --engine, in the same order")
+        if settings.proxy is None:
+            proxy_config(settings)  # the proxy's own rules (ServerConfig), before any strategy runs
         if len(set(rate or ())) != len(rate or ()):
             raise CpMemoryError("give each --rate once")
         if len(set(load or ())) != len(load or ()):

@@ -36,10 +36,10 @@ PROXY_ABLATIONS = ("cpmemory-nofit", "cpmemory-nomove", "cpmemory-nosplit", "cpm
 KNOWN_STRATEGIES = (*STRATEGIES, *PROXY_ABLATIONS, "original-priority")
 """``cpmemory-nofit``: the in-process proxy with cache-fit admission off (cpmemory.server.fit); ``cpmemory-nomove``:
 admission on without its moves (``CacheFit`` ``move``); ``cpmemory-nosplit``: the hold queue without its split of a
-window over the replicas (``ServerConfig.hold_split``); ``cpmemory-nohold``: the proxy without the hold queue that
-``--max-in-flight`` or ``--hold-fit`` turns on for the others (nothing held); ``cpmemory-nopick``: the hold queue
-releasing whole windows where ``--hold-pick`` has the others pick one request per free replica; ``original-priority``: ``original`` whose requests carry
-vLLM's ``priority`` by the same rule as the proxy's ``--engine-priority`` without a view of the caches (the tokens
+window over the replicas (``experimental.hold_split``); ``cpmemory-nohold``: the proxy without the hold queue that
+``--hold`` turns on for the others (nothing held); ``cpmemory-nopick``: the hold queue releasing whole windows
+with the pick's bounds, where ``--hold pick`` has the others pick one request per free replica; ``original-priority``: ``original`` whose requests carry
+vLLM's ``priority`` by the same rule as the proxy's ``engine_priority`` without a view of the caches (the tokens
 after the conversation's last answer: shortest new prompt first); all for ablations."""
 FIGURES = ("ttft_mean_ms", "ttft_p50_ms", "ttft_p90_ms", "latency_mean_ms", "throughput_rps", "prompt_tokens_per_s",
            "cached_tokens", "prompt_tokens", "errors", "lost_blocks")
@@ -57,14 +57,13 @@ class ServeSettings(BaseModel):
     upstream_session: bool = Field(False, description="both strategies name each conversation to --upstream")
     original_routing: Literal["session", "hash"] = Field(
         "session", description="original's conversation affinity: least loaded then sticky, or rendezvous hash")
-    cache_salt: bool = Field(True, description="the in-process proxy sends tenant cache salts (serve --no-cache-salt)")
     tokenizer: str | None = Field(None, description="the in-process proxy's local tokenizer (cpmemory serve --tokenizer)")
-    fit_fill: float | None = Field(None, gt=0, le=1, description="the in-process proxy's --fit-fill (None: its default)")
-    max_in_flight: int | None = Field(None, ge=1, description="the in-process proxy's --max-in-flight (hold queue)")
-    hold_fit: bool = Field(False, description="the in-process proxy's --hold-fit (hold queue, token bound)")
-    hold_pick: bool = Field(False, description="the in-process proxy's --hold-pick (one held request per free replica)")
-    engine_priority: bool = Field(False, description="the in-process proxy's --engine-priority")
-    hold_ms: float | None = Field(None, ge=0, description="the in-process proxy's --hold-ms (with max_in_flight or hold_fit)")
+    upstream_kind: str | None = Field(None, description="the in-process proxy's --upstream-kind (None: generic)")
+    hold: Literal["off", "window", "pick"] | None = Field(
+        None, description="the in-process proxy's --hold (None: the config's, else off)")
+    proxy_config: dict[str, Any] = Field(
+        default_factory=dict, description="the in-process proxy's settings (a --config file's tree, "
+        "cpmemory.server.config.ServerConfig); the engines, upstream and flags above go over it")
     concurrency: int = Field(8, ge=1, le=4096)
     rate: float | None = Field(None, gt=0, description="Poisson arrivals per second (instead of concurrency)")
     requests: int = Field(64, ge=1)
@@ -393,18 +392,9 @@ def validate(settings: ServeSettings) -> None:
     for own in PROXY_ABLATIONS:
         if settings.proxy is not None and own in settings.strategies:
             raise InvalidInputError(f"{own} starts its own proxy: it cannot run with --proxy")
-    if settings.proxy is not None and settings.engine_priority:
-        raise InvalidInputError("--engine-priority sets the in-process proxy: give it to the running proxy "
-                                "(serve --engine-priority)")
-    if settings.proxy is not None and settings.fit_fill is not None:
-        raise InvalidInputError("--fit-fill sets the in-process proxy: give it to the running proxy (serve --fit-fill)")
-    if settings.proxy is not None and (settings.max_in_flight is not None or settings.hold_fit
-                                       or settings.hold_ms is not None):
-        raise InvalidInputError("--max-in-flight, --hold-fit and --hold-ms set the in-process proxy: give them to the "
-                                "running proxy (serve --max-in-flight --hold-fit --hold-ms)")
-    if settings.hold_pick and (settings.proxy is not None or settings.upstream is not None
-                               or settings.max_in_flight is None):
-        raise InvalidInputError("--hold-pick sets the in-process proxy's hold queue on its own replicas: it needs "
-                                "--max-in-flight, and no --proxy or --upstream")
-    if settings.hold_ms is not None and settings.max_in_flight is None and not settings.hold_fit:
-        raise InvalidInputError("--hold-ms needs --max-in-flight or --hold-fit (the hold queue is off without them)")
+    if settings.proxy is not None and (settings.hold is not None or settings.proxy_config
+                                       or settings.upstream_kind is not None):
+        raise InvalidInputError("--hold, --upstream-kind and --config set the in-process proxy: give them to the "
+                                "running proxy (cpmemory serve)")
+    if "cpmemory-nopick" in settings.strategies and settings.hold != "pick":
+        raise InvalidInputError("cpmemory-nopick compares the pick with windows: it needs --hold pick")

@@ -57,11 +57,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 from collections import OrderedDict, deque
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
+
+from cpmemory.server.clock import Clock, LoopClock, Timer
 
 FitReason = Literal["first", "live", "resumed", "moved", "room", "timeout"]
 FIT_REASONS: tuple[FitReason, ...] = ("first", "live", "resumed", "moved", "room", "timeout")
@@ -84,6 +85,30 @@ GAP_FLOOR_S = 0.1
 """... and never shorter than this."""
 ENDED_KEYS = 4096
 """Conversations whose last turn's end is remembered (to time their next turn, live or not)."""
+
+
+@dataclass(frozen=True, slots=True)
+class FitSettings:
+    """Cache-fit admission's tunables (``ServerConfig.fit`` and its ablations).
+
+    Attributes:
+        fill: the share of a replica's KV cache the live footprints may take.
+        idle_s: how long a conversation with nothing in flight stays live (the longest learnt window).
+        first_idle_s: the same while it has had one turn (a single question frees its share soon).
+        grace_s: a replica with no turn in flight this long (and at least the idle window, ``CacheFit._grace``)
+            takes the next new conversation even over ``fill`` (it would idle otherwise).
+        max_wait_s: the longest a turn waits.
+        learn_idle: the idle windows shrink to what the traffic needs (``CacheFit.idle_window_s``).
+        move: a live conversation that is not resident moves to a replica with room rather than wait.
+    """
+
+    fill: float = 0.9
+    idle_s: float = 0.5
+    first_idle_s: float = 0.5
+    grace_s: float = 0.1
+    max_wait_s: float = 30.0
+    learn_idle: bool = True
+    move: bool = True
 
 
 class FitObserver(Protocol):
@@ -129,7 +154,7 @@ class _Waiter:
     since: float
     future: asyncio.Future[FitSlot]
     live: _Live | None  # set: a live conversation's turn waiting to be resident again; None: a new conversation
-    timer: asyncio.TimerHandle | None = None
+    timer: Timer | None = None
 
 
 @dataclass(slots=True)
@@ -178,46 +203,31 @@ def parse_fit_header(value: str | None) -> tuple[str, float] | None:
 class CacheFit:
     """Per-replica admission of conversations by the KV cache their histories need (see the module)."""
 
-    def __init__(
-        self,
-        capacities: Sequence[int | None],
-        *,
-        fill: float = 0.9,
-        idle_s: float = 0.5,
-        first_idle_s: float = 0.5,
-        grace_s: float = 0.1,
-        max_wait_s: float = 30.0,
-        clock: Callable[[], float] = time.monotonic,
-        observer: FitObserver | None = None,
-        learn_idle: bool = True,
-        move: bool = True,
-    ) -> None:
+    def __init__(self, capacities: Sequence[int | None], settings: FitSettings | None = None, *,
+                 clock: Clock | None = None, observer: FitObserver | None = None) -> None:
         """``capacities``: each replica's KV cache in tokens (None: unknown, that replica admits everything);
-        ``fill``: the share of it the live footprints may take; ``idle_s``: how long a conversation with nothing in
-        flight stays live (``first_idle_s`` while it has had one turn: a single question frees its share soon);
-        ``grace_s``: a replica with no turn in flight for this long (and at least the idle window,
-        :meth:`_grace`) takes the next new conversation even over ``fill`` (it would idle otherwise);
-        ``learn_idle``: the idle windows shrink to what the traffic needs (:meth:`idle_window_s`), ``idle_s`` and
-        ``first_idle_s`` are their longest; ``move``: a live conversation that is not resident moves to a replica
-        with room for it rather than wait (see the module). No IO."""
+        ``settings``: the tunables (:class:`FitSettings`); ``clock``: the time and timers (the event loop's by
+        default; a :class:`~cpmemory.server.clock.ManualClock` in tests). No IO."""
+        settings = settings or FitSettings()
+        fill, idle_s = settings.fill, settings.idle_s
         if not 0 < fill <= 1:
             raise ValueError("fill must be in (0, 1]")
         self.capacities = list(capacities)
         self.fill = fill
         self.idle_s = idle_s
-        self.first_idle_s = min(first_idle_s, idle_s)
-        self.grace_s = grace_s
-        self.max_wait_s = max_wait_s
+        self.first_idle_s = min(settings.first_idle_s, idle_s)
+        self.grace_s = settings.grace_s
+        self.max_wait_s = settings.max_wait_s
         self._quiet_since: dict[int, float] = {}  # replica -> when its last turn in flight ended
-        self._clock = clock
+        self._clock: Clock = clock or LoopClock()
         self._observer = observer or _NullObserver()
         self._live: dict[str, _Live] = {}
         self._waiters: deque[_Waiter] = deque()
-        self._timer: asyncio.TimerHandle | None = None
+        self._timer: Timer | None = None
         self.tokens_per_char = DEFAULT_TOKENS_PER_CHAR
         self._calibrated = False  # tokens_per_char was set by a count before any answer (calibrate)
-        self.learn_idle = learn_idle
-        self.move_enabled = move
+        self.learn_idle = settings.learn_idle
+        self.move_enabled = settings.move
         self._ended: OrderedDict[str, float] = OrderedDict()  # conversation -> when its last turn ended
         self._gaps: deque[float] = deque(maxlen=GAP_SAMPLES)
         self._window_s = idle_s  # idle_window_s, recomputed only when a gap is seen (it is read per live conversation)
@@ -267,14 +277,14 @@ class CacheFit:
         if live.in_flight:
             self._quiet_since.pop(replica, None)
             if not any(other.in_flight for other in self._live.values() if other.replica == old):
-                self._quiet_since[old] = self._clock()
+                self._quiet_since[old] = self._clock.now()
         self._pump()
 
     def touch(self, key: str) -> None:
         """Conversation ``key``'s next turn reached the proxy: its idle window restarts, so the time the proxy spends
         preparing the turn (and tokenizing it) does not make it lose its place before the turn is admitted. The
         time since its last turn ended is a continuation gap (:meth:`idle_window_s`)."""
-        now = self._clock()
+        now = self._clock.now()
         ended = self._ended.pop(key, None)
         continuation = False  # else a person's return after idle_s, or no turn of it ended before
         if ended is not None and now - ended <= self.idle_s:
@@ -344,7 +354,7 @@ class CacheFit:
         ``history=False`` (a turn without conversation history: a lone question or a first turn) never waits: it
         has no cached history to protect, and the router's prefix choice serves it best. It is counted (its
         footprint is in the cache) on the router's choice (``"first"``)."""
-        now = self._clock()
+        now = self._clock.now()
         self._expire(now)
         tokens = self.estimate(chars, answer_tokens)
         live = self._live.get(key)
@@ -409,8 +419,8 @@ class CacheFit:
 
     async def _wait(self, key: str, tokens: int, ranked: tuple[int, ...], chars: int, live: _Live | None) -> FitSlot:
         loop = asyncio.get_running_loop()
-        waiter = _Waiter(key, tokens, ranked, self._clock(), loop.create_future(), live)
-        waiter.timer = loop.call_later(self.max_wait_s, self._timeout, waiter)
+        waiter = _Waiter(key, tokens, ranked, self._clock.now(), loop.create_future(), live)
+        waiter.timer = self._clock.call_later(self.max_wait_s, self._timeout, waiter)
         if live is not None:
             live.waiting += 1
         self._waiters.append(waiter)
@@ -447,7 +457,7 @@ class CacheFit:
         for replica in order:
             if self._fits(replica, tokens):
                 return replica
-        now = self._clock()
+        now = self._clock.now()
         for replica in order:
             quiet = self._quiet_since.get(replica)
             if quiet is not None and now - quiet >= self._grace():
@@ -500,13 +510,13 @@ class CacheFit:
                 live.footprint = prompt_tokens + max(0, answer_tokens)
                 self._learn(slot.chars, prompt_tokens)  # the engine's tokens per character
             if live.in_flight == 0:
-                live.idle_since = self._clock()
+                live.idle_since = self._clock.now()
                 self._ended[slot.key] = live.idle_since
                 self._ended.move_to_end(slot.key)
                 if len(self._ended) > ENDED_KEYS:
                     self._ended.popitem(last=False)
             if not any(other.in_flight for other in self._live.values() if other.replica == live.replica):
-                self._quiet_since[live.replica] = self._clock()
+                self._quiet_since[live.replica] = self._clock.now()
         self._pump()
 
     def _expire(self, now: float) -> None:
@@ -525,7 +535,7 @@ class CacheFit:
     def _pump(self) -> None:
         """Let the waiters run that may now: a live one once it is resident; new ones first come first served
         (the oldest new one waits for room and no newer one overtakes it)."""
-        self._expire(self._clock())
+        self._expire(self._clock.now())
         moved = True
         while moved:  # a move makes room where the conversation was: check the queue again
             moved = self._pump_once()
@@ -568,7 +578,7 @@ class CacheFit:
             self._waiters.remove(waiter)
         if waiter.live is not None:
             waiter.live.waiting = max(0, waiter.live.waiting - 1)
-        slot = self._enter(waiter.key, waiter.tokens, replica, reason, self._clock() - waiter.since, 0)
+        slot = self._enter(waiter.key, waiter.tokens, replica, reason, self._clock.now() - waiter.since, 0)
         waiter.future.set_result(slot)
 
     def _timeout(self, waiter: _Waiter) -> None:
@@ -591,7 +601,7 @@ class CacheFit:
             if waiter.live is not None:
                 waiter.live.waiting = max(0, waiter.live.waiting - 1)
                 if waiter.live.in_flight == 0 and waiter.live.idle_since is None:
-                    waiter.live.idle_since = self._clock()
+                    waiter.live.idle_since = self._clock.now()
         self._pump()
 
     def _arm(self) -> None:
@@ -608,8 +618,8 @@ class CacheFit:
         # A time already past was seen by the pump that just ran (an idle conversation whose own turn waits is not
         # expired; a quiet replica's grace is for new conversations): re-arming for it would pump every millisecond
         # until the waiter is served. Every other change (a turn admitted or ended, a move) pumps by itself.
-        now = self._clock()
+        now = self._clock.now()
         upcoming = [wakeup for wakeup in wakeups if wakeup > now]
         if not upcoming:
             return
-        self._timer = asyncio.get_running_loop().call_later(min(upcoming) - now + 0.001, self._pump)
+        self._timer = self._clock.call_later(min(upcoming) - now + 0.001, self._pump)

@@ -81,6 +81,7 @@ from typing import Literal, Protocol
 
 from cpmemory.core.blocks import Block
 from cpmemory.core.scheduling import ReleasePlan
+from cpmemory.server.clock import Clock, LoopClock, Timer
 
 logger = logging.getLogger(__name__)
 
@@ -197,15 +198,12 @@ class Admission:
         keeps its own order and none waits for another's sends."""
         if self._turn is not None and self._turn.is_set():
             return  # its turn already came (idempotent)
+        clock = self._queue._clock if self._queue is not None else LoopClock()
         try:
-            if self._after_turn is not None and not self._after_turn.is_set():
-                # the one before waits for its own turn first: the limit counts from its turn, not from this one's
-                # release, or a window's order would hold only for its first second of sends
-                await asyncio.wait_for(self._after_turn.wait(), CHAIN_WAIT_S)
-            if self._after is not None and not self._after.is_set():
-                await asyncio.wait_for(self._after.wait(), timeout_s)
-        except asyncio.TimeoutError:
-            if self._queue is not None:
+            # the one before waits for its own turn first: the limit counts from its turn, not from this one's
+            # release, or a window's order would hold only for its first second of sends
+            in_order = await _wait_set(self._after_turn, CHAIN_WAIT_S, clock)
+            if in_order and not await _wait_set(self._after, timeout_s, clock) and self._queue is not None:
                 self._queue._observer.send_timed_out()
         finally:
             if self._turn is not None:
@@ -241,6 +239,22 @@ class Admission:
         queue, self._queue = self._queue, None
         if queue is not None:
             queue._finished(self._tokens, self._replica)
+
+
+async def _wait_set(event: asyncio.Event | None, timeout_s: float, clock: Clock) -> bool:
+    """Wait until ``event`` is set, at most ``timeout_s`` by ``clock``; whether it was set (True for None)."""
+    if event is None or event.is_set():
+        return True
+    expired = asyncio.Event()
+    timer = clock.call_later(timeout_s, expired.set)
+    setting, expiring = asyncio.ensure_future(event.wait()), asyncio.ensure_future(expired.wait())
+    try:
+        await asyncio.wait({setting, expiring}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        timer.cancel()
+        setting.cancel()
+        expiring.cancel()
+    return event.is_set()
 
 
 def unheld() -> Admission:
@@ -283,12 +297,13 @@ class HoldQueue:
             the longest prefix ``pick(replica, order)`` says that replica holds (see :meth:`_pick`); None: a
             release hands out every held request (the window). Needs ``planner`` and ``healthy``.
         healthy: the indices of the replicas in rotation (with ``pick``).
+        clock: the time and timers (the event loop's by default; a ``ManualClock`` in tests).
     """
 
     def __init__(self, max_in_flight: int | None, hold_s: float, *, replicas: Callable[[], int] = lambda: 1,
                  token_budget: Callable[[], int | None] | None = None, planner: Planner | None = None,
                  observer: HoldObserver | None = None, pick: PickView | None = None,
-                 healthy: Callable[[], Sequence[int]] | None = None) -> None:
+                 healthy: Callable[[], Sequence[int]] | None = None, clock: Clock | None = None) -> None:
         if (max_in_flight is not None and max_in_flight < 1) or hold_s <= 0:
             raise ValueError("max_in_flight must be >= 1 and hold_s > 0")
         if max_in_flight is None and token_budget is None:
@@ -296,6 +311,7 @@ class HoldQueue:
         if pick is not None and (planner is None or healthy is None):
             raise ValueError("a pick per replica needs a planner and the healthy replicas")
         self._pick_view = pick
+        self._clock: Clock = clock or LoopClock()
         self._healthy = healthy or (lambda: (0,))
         self._on: dict[int, list[int]] = {}  # replica -> [requests, tokens] a pick released there, not ended
         self._claims: OrderedDict[tuple[int, int], int] = OrderedDict()  # (plan, lane) -> its replica
@@ -310,7 +326,7 @@ class HoldQueue:
         self._held: list[_Held] = []
         self._admitted = 0
         self._tokens = 0
-        self._timer: asyncio.TimerHandle | None = None
+        self._timer: Timer | None = None
 
     @property
     def admitted(self) -> int:
@@ -378,15 +394,14 @@ class HoldQueue:
         admission = self.try_admit(tokens)
         if admission is not None:
             return admission
-        loop = asyncio.get_running_loop()
-        entry = _Held(tenant, tuple(blocks), tokens, loop.time(), loop.create_future())
+        entry = _Held(tenant, tuple(blocks), tokens, self._clock.now(), asyncio.get_running_loop().create_future())
         self._held.append(entry)
         if self.picks:
             self._pick(entry)  # a replica with room takes it (or a better one held) at once
             if entry.future.done():
                 return entry.future.result()
         if self._timer is None:  # the oldest held request sets the deadline of the whole window
-            self._timer = loop.call_later(self.hold_s, self._expire)
+            self._timer = self._clock.call_later(self.hold_s, self._expire)
         self._observer.held(len(self._held))
         try:
             return await entry.future
@@ -458,7 +473,6 @@ class HoldQueue:
         if not live or not any(self._room(replica, 0) for replica in replicas):
             return
         self._plan_fresh([entry for entry in live if entry.order is None])
-        loop = asyncio.get_running_loop()
         while self._held:
             best: tuple[tuple[int, float, int], int, int] | None = None
             for position, entry in enumerate(self._held):
@@ -483,7 +497,7 @@ class HoldQueue:
                     self._claims.popitem(last=False)
             lanes = LaneMap()
             lanes.claim(0, replica)
-            waited = loop.time() - entry.arrived
+            waited = self._clock.now() - entry.arrived
             counts = self._on.setdefault(replica, [0, 0])
             counts[0] += 1
             counts[1] += entry.tokens
@@ -532,15 +546,14 @@ class HoldQueue:
         if not self.picks:
             self._release("timeout")
             return
-        loop = asyncio.get_running_loop()
-        now = loop.time()
+        now = self._clock.now()
         live = [entry for entry in self._held if not entry.future.done()]
         expired = [entry for entry in live if now - entry.arrived >= self.hold_s - 1e-3]
         self._held = [entry for entry in live if entry not in expired]
         self._release("timeout", expired)
         if self._held:
             oldest = min(entry.arrived for entry in self._held)
-            self._timer = loop.call_later(max(0.0, oldest + self.hold_s - now), self._expire)
+            self._timer = self._clock.call_later(max(0.0, oldest + self.hold_s - now), self._expire)
 
     def _cancel_timer(self) -> None:
         if self._timer is not None:
@@ -557,7 +570,7 @@ class HoldQueue:
         if not window:
             return
         order, planned, lanes = self._order(window)
-        now = asyncio.get_running_loop().time()
+        now = self._clock.now()
         waits = []
         # per lane (None: the requests not split), the last one's (turn, sent) events
         last: dict[tuple[int, int] | None, tuple[asyncio.Event, asyncio.Event]] = {}

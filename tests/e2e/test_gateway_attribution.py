@@ -33,7 +33,7 @@ def test_the_kv_events_tell_which_replica_behind_the_gateway_served_each_turn(pr
     engines = [processes.engine(str(port)).start() for port in kv_ports]
     urls = [engine.url for engine in engines]
     gateway = processes.gateway(urls).start()
-    proxy = processes.proxy(urls, "--upstream", gateway.url, "--upstream-session", "--no-cache-salt",
+    proxy = processes.proxy(urls, "--upstream", gateway.url, "--upstream-kind", "vllm-router",
                             *(arg for port in kv_ports for arg in ("--kv-events", f"tcp://127.0.0.1:{port}"))).start()
     conversations, turns = [f"conv-{n}" for n in range(5)], 3
     for number in range(turns):

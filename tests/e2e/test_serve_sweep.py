@@ -77,12 +77,14 @@ def test_rate_and_load_together_are_an_error(processes):
     assert done.returncode == 2 and "--rate or --load, not both" in done.stderr
 
 
-def test_the_in_process_proxy_holds_and_plans_when_asked(processes):
-    """``--max-in-flight N --hold-ms MS`` reach the in-process proxy: with more clients than slots requests are held
-    and released in windows, and nothing is lost; ``cpmemory-nohold`` in the same run holds nothing."""
+def test_the_in_process_proxy_holds_and_plans_when_asked(processes, tmp_path):
+    """``--hold window`` and a ``--config`` file's hold bounds reach the in-process proxy: with more clients than
+    slots requests are held and released in windows, and nothing is lost; ``cpmemory-nohold`` holds nothing."""
     engines = [processes.engine().start(), processes.engine().start()]
+    settings = tmp_path / "proxy.toml"
+    settings.write_text("[hold]\nmax_in_flight = 1\ntimeout_ms = 200\n")
     args = [sys.executable, "-m", "cpmemory.cli", "bench", "serve", "--workload", "synthetic", "--requests", "24",
-            "--concurrency", "12", "--max-in-flight", "1", "--hold-ms", "200", "--strategies",
+            "--concurrency", "12", "--hold", "window", "--config", str(settings), "--strategies",
             "cpmemory,cpmemory-nohold", "--timeout", "30", "--engine-timeout", "10", "--json"]
     for engine in engines:
         args += ["--engine", engine.url]
@@ -91,7 +93,8 @@ def test_the_in_process_proxy_holds_and_plans_when_asked(processes):
     report = json.loads(done.stdout.strip().splitlines()[-1])
     figures, proxy = report["strategies"]["cpmemory"], report["details"]["cpmemory"]["proxy"]
     assert figures["errors"] == 0 and figures["lost_blocks"] == 0
-    assert report["settings"]["max_in_flight"] == 1 and report["settings"]["hold_ms"] == 200.0
+    assert report["settings"]["hold"] == "window"
+    assert report["settings"]["proxy_config"]["hold"] == {"max_in_flight": 1, "timeout_ms": 200}
     assert proxy["hold_held"] > 0 and sum(proxy["hold_windows"].values()) > 0, proxy
     unheld = report["details"]["cpmemory-nohold"]["proxy"]
     assert report["strategies"]["cpmemory-nohold"]["errors"] == 0 and not unheld.get("hold_held"), unheld

@@ -125,7 +125,7 @@ async def test_online_prompts_keep_the_single_server_cache_hits_through_vllm_rou
     assert single_cached > 0.3 * single_prompt, (single_cached, single_prompt)
 
     # 1. through vllm-router (kv_aware): the gateway picks the replica; the proxy follows both replicas' evictions.
-    # A single tenant without cache salts (--no-cache-salt): the router cannot hash salted requests and routes them
+    # A single tenant without cache salts (--upstream-kind vllm-router): the router cannot hash salted requests and routes them
     # without its prefix score (outcome "cache_salt")
     _reset_caches()
     before, decided = [_served(url) for url in REPLICAS], _router_decisions()

@@ -378,24 +378,36 @@ def test_ablations_start_their_own_proxy_and_unknown_strategies_are_refused(stra
     with pytest.raises(InvalidInputError, match="unknown strategies"):
         validate(ServeSettings(engines=["http://e"], strategies=["cpmemory-nothing"]))
     with pytest.raises(InvalidInputError, match="in-process proxy"):
-        validate(ServeSettings(engines=["http://e"], proxy="http://p", strategies=["cpmemory"], fit_fill=0.95))
+        validate(ServeSettings(engines=["http://e"], proxy="http://p", strategies=["cpmemory"], hold="window"))
     with pytest.raises(InvalidInputError, match="in-process proxy"):
-        validate(ServeSettings(engines=["http://e"], proxy="http://p", strategies=["cpmemory"], max_in_flight=2))
-    with pytest.raises(InvalidInputError, match="in-process proxy"):
-        validate(ServeSettings(engines=["http://e"], proxy="http://p", strategies=["cpmemory"], engine_priority=True))
-    with pytest.raises(InvalidInputError, match="needs --max-in-flight"):
-        validate(ServeSettings(engines=["http://e"], strategies=["cpmemory"], hold_ms=50))
-    validate(ServeSettings(engines=["http://e"], strategies=["cpmemory"], max_in_flight=2, hold_ms=50))
-    validate(ServeSettings(engines=["http://e"], strategies=["cpmemory"], hold_fit=True, hold_ms=50))
-    with pytest.raises(InvalidInputError, match="in-process proxy"):
-        validate(ServeSettings(engines=["http://e"], proxy="http://p", strategies=["cpmemory"], hold_fit=True))
-    with pytest.raises(InvalidInputError, match=r"--hold-pick .* needs --max-in-flight"):
-        validate(ServeSettings(engines=["http://e"], strategies=["cpmemory"], hold_fit=True, hold_pick=True))
-    with pytest.raises(InvalidInputError, match="--hold-pick"):
-        validate(ServeSettings(engines=["http://e"], upstream="http://gw", strategies=["cpmemory"], max_in_flight=1,
-                               hold_pick=True))
-    validate(ServeSettings(engines=["http://e"], strategies=["cpmemory", "cpmemory-nopick"], max_in_flight=1,
-                           hold_pick=True))
+        validate(ServeSettings(engines=["http://e"], proxy="http://p", strategies=["cpmemory"],
+                               proxy_config={"fit": {"fill": 0.5}}))
+    with pytest.raises(InvalidInputError, match="needs --hold pick"):
+        validate(ServeSettings(engines=["http://e"], strategies=["cpmemory", "cpmemory-nopick"], hold="window"))
+    validate(ServeSettings(engines=["http://e"], strategies=["cpmemory", "cpmemory-nopick"], hold="pick"))
+
+
+def test_the_in_process_proxy_is_built_from_the_serve_config_with_each_ablation():
+    from pydantic import ValidationError
+
+    from cpmemory.bench.serve import proxy_config
+    from cpmemory.bench.serve_run import ServeSettings
+
+    settings = ServeSettings(engines=["http://e0", "http://e1"], hold="pick",
+                             proxy_config={"fit": {"fill": 0.5}, "experimental": {"fit_learn_idle": False}})
+    base = proxy_config(settings, cache_tokens=4096)
+    assert base.hold.policy == "pick" and base.fit.fill == 0.5 and not base.experimental.fit_learn_idle
+    assert base.replica_cache_tokens == 4096 and base.engines == ["http://e0", "http://e1"]
+    assert not proxy_config(settings, ablation="cpmemory-nofit").fit.enabled
+    assert not proxy_config(settings, ablation="cpmemory-nomove").experimental.fit_move
+    assert not proxy_config(settings, ablation="cpmemory-nosplit").experimental.hold_split
+    assert proxy_config(settings, ablation="cpmemory-nohold").hold.settings() is None
+    windows = proxy_config(settings, ablation="cpmemory-nopick").hold
+    assert windows.policy == "window" and windows.settings() == base.hold.settings()  # the pick's bounds, whole windows
+    with pytest.raises(ValidationError, match="pick"):  # the config's own rule: not behind a gateway
+        proxy_config(ServeSettings(engines=["http://e"], upstream="http://gw", hold="pick"))
+    with pytest.raises(ValidationError):  # an unknown key of the file is refused
+        proxy_config(ServeSettings(engines=["http://e"], proxy_config={"fit": {"fil": 0.5}}))
 
 
 def test_a_per_request_record_says_where_each_request_went_and_what_it_found_cached():

@@ -83,7 +83,7 @@ def test_router_variant_puts_vllm_router_between_the_proxy_and_the_replicas() ->
     assert variant["proxy"]["depends_on"]["vllm-router"]["condition"] == "service_healthy"
     # kv_aware needs the replicas' /v1/chat/completions/render and unsalted requests; sessions keep conversations put
     assert all("--enable-scale-out" in [a.split()[0] for a in base[name]["command"]] for name in replicas)
-    assert "--no-cache-salt" in proxy_args and "--upstream-session" in proxy_args
+    assert "--upstream-kind=vllm-router" in proxy_args  # no salt on one tenant, conversations named
     assert _flag_values(router_args, "--kv-aware-session-affinity-ttl-secs")
     assert 'ENTRYPOINT ["vllm-router"]' in (ROOT / variant["vllm-router"]["build"]["dockerfile"]).read_text()
     # every proxy flag is a `cpmemory serve` option (the base file's check, on the variant's command)

@@ -1,12 +1,15 @@
 """Cache-fit admission (cpmemory.server.fit) on its own: who is admitted where, who waits, in which order, when a
-wait ends (room, idle expiry, timeout), and that a cancelled waiter leaves nothing behind."""
+wait ends (room, idle expiry, timeout), and that a cancelled waiter leaves nothing behind. Time is a manual clock
+that the tests step (:func:`step`): nothing sleeps, and no figure depends on how loaded the machine is."""
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import pytest
 
-from cpmemory.server.fit import CacheFit
+from cpmemory.server.clock import ManualClock
+from cpmemory.server.fit import CacheFit, FitSettings
 
 CHARS_PER_TOKEN = 4  # the default estimate: 0.25 tokens per character
 
@@ -15,9 +18,28 @@ def chars(tokens: int) -> int:
     return tokens * CHARS_PER_TOKEN
 
 
+def make_fit(capacities: list[int | None], *, clock: ManualClock | None = None, observer: Any = None,
+             **tunables: Any) -> CacheFit:
+    """Admission with ``tunables`` (fields of FitSettings) on a manual clock (a new one unless given)."""
+    return CacheFit(capacities, FitSettings(**tunables), clock=clock or ManualClock(), observer=observer)
+
+
+async def settle() -> None:
+    """Let every task that can run, run (no time passes)."""
+    for _ in range(10):
+        await asyncio.sleep(0)
+
+
+async def step(fit: CacheFit, seconds: float) -> None:
+    """Let the tasks run, move ``fit``'s clock ``seconds`` on (its timers fire), and let them run again."""
+    await settle()
+    fit._clock.advance(seconds)  # type: ignore[attr-defined]
+    await settle()
+
+
 def test_a_new_conversation_goes_to_the_first_ranked_replica_with_room() -> None:
     async def main() -> None:
-        fit = CacheFit([1000, 1000], fill=1.0)
+        fit = make_fit([1000, 1000], fill=1.0)
         a = await fit.admit("a", chars(600), 0, [0, 1])
         b = await fit.admit("b", chars(600), 0, [0, 1])  # 600 + 600 > 1000 on replica 0: replica 1 has room
         assert (a.replica, a.reason) == (0, "room")
@@ -29,7 +51,7 @@ def test_a_new_conversation_goes_to_the_first_ranked_replica_with_room() -> None
 
 def test_a_live_conversation_keeps_its_replica_and_never_waits() -> None:
     async def main() -> None:
-        fit = CacheFit([1000], fill=1.0)
+        fit = make_fit([1000], fill=1.0)
         first = await fit.admit("a", chars(900), 0, [0])
         first.end(0, 950, 10)
         again = await fit.admit("a", chars(2000), 0, [0])  # larger than the cache: live, so admitted at once
@@ -41,10 +63,10 @@ def test_a_live_conversation_keeps_its_replica_and_never_waits() -> None:
 
 def test_a_conversation_waits_while_no_replica_has_room_and_enters_when_one_ends() -> None:
     async def main() -> None:
-        fit = CacheFit([1000], fill=1.0, idle_s=0.0)
+        fit = make_fit([1000], fill=1.0, idle_s=0.0)
         a = await fit.admit("a", chars(700), 0, [0])
         waiting = asyncio.ensure_future(fit.admit("b", chars(700), 0, [0]))
-        await asyncio.sleep(0.05)
+        await step(fit, 0.05)
         assert not waiting.done() and fit.waiting == 1
         a.end(0, 700, 0)  # a goes idle; idle_s 0: its share is free at once
         b = await asyncio.wait_for(waiting, 1.0)
@@ -56,12 +78,13 @@ def test_a_conversation_waits_while_no_replica_has_room_and_enters_when_one_ends
 
 def test_an_idle_conversation_holds_its_share_for_idle_s_then_frees_it() -> None:
     async def main() -> None:
-        fit = CacheFit([1000], fill=1.0, idle_s=0.6, first_idle_s=0.6, grace_s=10.0)
+        fit = make_fit([1000], fill=1.0, idle_s=0.6, first_idle_s=0.6, grace_s=10.0)
         a = await fit.admit("a", chars(700), 0, [0])
         a.end(0, 700, 0)
         waiting = asyncio.ensure_future(fit.admit("b", chars(700), 0, [0]))
-        await asyncio.sleep(0.1)
+        await step(fit, 0.1)
         assert not waiting.done()  # a may still send its next turn
+        await step(fit, 0.51)
         b = await asyncio.wait_for(waiting, 3.0)  # woken by a's expiry, with nothing else happening
         assert b.reason == "room" and b.waited_s >= 0.45
         assert fit.live_conversations(0) == 1
@@ -71,10 +94,12 @@ def test_an_idle_conversation_holds_its_share_for_idle_s_then_frees_it() -> None
 
 def test_a_turn_that_waited_max_wait_goes_to_the_routers_choice_over_the_cache() -> None:
     async def main() -> None:
-        fit = CacheFit([1000, 1000], fill=1.0, max_wait_s=0.1)
+        fit = make_fit([1000, 1000], fill=1.0, max_wait_s=0.1)
         await fit.admit("a", chars(800), 0, [0, 1])
         await fit.admit("b", chars(800), 0, [1, 0])
-        late = await asyncio.wait_for(fit.admit("c", chars(800), 0, [1, 0]), 1.0)
+        waiting = asyncio.ensure_future(fit.admit("c", chars(800), 0, [1, 0]))
+        await step(fit, 0.1)
+        late = await asyncio.wait_for(waiting, 1.0)
         assert (late.replica, late.reason) == (1, "timeout")
         assert fit.live_tokens(1) == 1600
 
@@ -83,12 +108,12 @@ def test_a_turn_that_waited_max_wait_goes_to_the_routers_choice_over_the_cache()
 
 def test_waiters_are_admitted_first_come_first_served() -> None:
     async def main() -> None:
-        fit = CacheFit([1000], fill=1.0, idle_s=0.0)
+        fit = make_fit([1000], fill=1.0, idle_s=0.0)
         a = await fit.admit("a", chars(900), 0, [0])
         big = asyncio.ensure_future(fit.admit("big", chars(900), 0, [0]))
-        await asyncio.sleep(0.01)
+        await step(fit, 0.01)
         small = asyncio.ensure_future(fit.admit("small", chars(50), 0, [0]))  # it would fit beside a, but waits
-        await asyncio.sleep(0.05)
+        await step(fit, 0.05)
         assert not small.done()
         a.end(0, 900, 0)
         admitted = await asyncio.wait_for(big, 1.0)
@@ -101,10 +126,10 @@ def test_waiters_are_admitted_first_come_first_served() -> None:
 
 def test_a_cancelled_waiter_leaves_the_queue_and_holds_nothing() -> None:
     async def main() -> None:
-        fit = CacheFit([1000], fill=1.0, idle_s=0.0)
+        fit = make_fit([1000], fill=1.0, idle_s=0.0)
         a = await fit.admit("a", chars(900), 0, [0])
         gone = asyncio.ensure_future(fit.admit("gone", chars(900), 0, [0]))
-        await asyncio.sleep(0.02)
+        await step(fit, 0.02)
         gone.cancel()
         with pytest.raises(asyncio.CancelledError):
             await gone
@@ -118,7 +143,7 @@ def test_a_cancelled_waiter_leaves_the_queue_and_holds_nothing() -> None:
 
 def test_unknown_capacity_admits_everything_and_learned_tokens_per_char_follow_the_engine() -> None:
     async def main() -> None:
-        fit = CacheFit([None], fill=1.0)
+        fit = make_fit([None], fill=1.0)
         slots = [await fit.admit(str(i), chars(10_000), 0, [0]) for i in range(5)]
         assert all(slot.reason == "room" for slot in slots)
         for slot in slots:
@@ -131,7 +156,7 @@ def test_unknown_capacity_admits_everything_and_learned_tokens_per_char_follow_t
 
 def test_a_slot_ends_once_and_a_failover_moves_the_conversation() -> None:
     async def main() -> None:
-        fit = CacheFit([1000, 1000], fill=1.0)
+        fit = make_fit([1000, 1000], fill=1.0)
         slot = await fit.admit("a", chars(500), 0, [0, 1])
         slot.end(1, 500, 0)  # the engine call failed over to replica 1
         slot.end(1, 500, 0)  # idempotent
@@ -144,12 +169,12 @@ def test_a_slot_ends_once_and_a_failover_moves_the_conversation() -> None:
 
 def test_bad_fill_is_rejected() -> None:
     with pytest.raises(ValueError):
-        CacheFit([1000], fill=0)
+        make_fit([1000], fill=0)
 
 
 def test_a_conversation_outgrown_by_older_ones_waits_until_they_end_and_new_ones_do_not_overtake_it() -> None:
     async def main() -> None:
-        fit = CacheFit([1000], fill=1.0, idle_s=1.0, first_idle_s=1.0, grace_s=10.0)  # the steps below take milliseconds
+        fit = make_fit([1000], fill=1.0, idle_s=1.0, first_idle_s=1.0, grace_s=10.0)  # the steps below take milliseconds
         a = await fit.admit("a", chars(500), 0, [0])
         b = await fit.admit("b", chars(400), 0, [0])
         assert b.reason == "room"
@@ -158,12 +183,13 @@ def test_a_conversation_outgrown_by_older_ones_waits_until_they_end_and_new_ones
         a2 = await fit.admit("a", chars(900), 0, [0])
         assert a2.reason == "live"
         b_next = asyncio.ensure_future(fit.admit("b", chars(400), 0, [0]))
-        await asyncio.sleep(0.02)
+        await step(fit, 0.02)
         assert not b_next.done()  # suspended: a's history would be evicted by b's
         c = asyncio.ensure_future(fit.admit("c", chars(50), 0, [0]))
-        await asyncio.sleep(0.02)
+        await step(fit, 0.02)
         assert not c.done()  # 900 + 400 + 50 > 1000: a new conversation does not overtake b
         a2.end(0, 950, 0)  # a's last turn: a leaves once idle for idle_s
+        await step(fit, 1.01)
         resumed = await asyncio.wait_for(b_next, 3.0)
         assert (resumed.replica, resumed.reason) == (0, "resumed") and resumed.waited_s > 0
         assert (await asyncio.wait_for(c, 3.0)).reason == "room"  # 400 + 50 fit now
@@ -173,12 +199,14 @@ def test_a_conversation_outgrown_by_older_ones_waits_until_they_end_and_new_ones
 
 def test_a_suspended_turn_runs_after_max_wait() -> None:
     async def main() -> None:
-        fit = CacheFit([1000], fill=1.0, idle_s=10.0, first_idle_s=10.0, grace_s=10.0, max_wait_s=0.1)
+        fit = make_fit([1000], fill=1.0, idle_s=10.0, first_idle_s=10.0, grace_s=10.0, max_wait_s=0.1)
         a = await fit.admit("a", chars(500), 0, [0])
         b = await fit.admit("b", chars(400), 0, [0])
         b.end(0, 400, 0)
         a.end(0, 900, 0)
-        late = await asyncio.wait_for(fit.admit("b", chars(400), 0, [0]), 1.0)
+        waiting = asyncio.ensure_future(fit.admit("b", chars(400), 0, [0]))
+        await step(fit, 0.1)
+        late = await asyncio.wait_for(waiting, 1.0)
         assert (late.replica, late.reason) == (0, "timeout")
 
     asyncio.run(main())
@@ -186,14 +214,15 @@ def test_a_suspended_turn_runs_after_max_wait() -> None:
 
 def test_a_replica_quiet_past_grace_s_and_the_idle_window_takes_the_next_new_conversation_over_the_fill() -> None:
     async def main() -> None:
-        fit = CacheFit([1000], fill=1.0, idle_s=0.6, first_idle_s=0.6, grace_s=0.05)
+        fit = make_fit([1000], fill=1.0, idle_s=0.6, first_idle_s=0.6, grace_s=0.05)
         a = await fit.admit("a", chars(900), 0, [0])
         a.end(0, 900, 0)  # nothing in flight on replica 0 from now on
-        await asyncio.sleep(0.2)
+        await step(fit, 0.2)
         fit.touch("a")  # a's next turn arrived and is being prepared: a stays live until 0.8 s
         b = asyncio.ensure_future(fit.admit("b", chars(900), 0, [0]))
-        await asyncio.sleep(0.1)
+        await step(fit, 0.1)
         assert not b.done()  # quiet for 0.3 s, past grace_s but within the idle window: a turn may be on its way
+        await step(fit, 0.31)
         slot = await asyncio.wait_for(b, 2.0)
         assert slot.reason == "room" and slot.waited_s < 0.55  # woken by the grace at 0.6 s, not a's expiry
         assert fit.live_conversations(0) == 2
@@ -206,11 +235,11 @@ def test_a_replica_quiet_between_turns_does_not_take_a_new_conversation_over_the
     evict the history that turn is about to reuse (measured: a returning conversation taken this way after 100 ms
     of quiet ran its replica's live turns at 25,000 tokens on a 17,408-token cache)."""
     async def main() -> None:
-        fit = CacheFit([1000], fill=1.0, idle_s=0.6, first_idle_s=0.6, grace_s=0.05)
+        fit = make_fit([1000], fill=1.0, idle_s=0.6, first_idle_s=0.6, grace_s=0.05)
         a = await fit.admit("a", chars(900), 0, [0])
         a.end(0, 900, 0)
         b = asyncio.ensure_future(fit.admit("b", chars(900), 0, [0]))
-        await asyncio.sleep(0.2)
+        await step(fit, 0.2)
         assert not b.done()  # quiet for three times grace_s, but a's idle window is not over
         fit.touch("a")
         again = await fit.admit("a", chars(950), 0, [0])
@@ -228,21 +257,21 @@ def test_a_conversation_idled_out_early_takes_its_old_place_back_when_its_next_t
     from cpmemory.server.fit import GAP_MIN_SAMPLES
 
     async def main() -> None:
-        clock = _Clock()
-        fit = CacheFit([1000, 1000], fill=1.0, idle_s=0.5, first_idle_s=0.5, grace_s=10.0, clock=clock)
+        clock = ManualClock()
+        fit = make_fit([1000, 1000], fill=1.0, idle_s=0.5, first_idle_s=0.5, grace_s=10.0, clock=clock)
         for turn in range(GAP_MIN_SAMPLES):
             await _continue(fit, clock, f"c{turn % 3}", 0.1)  # on replica 0: the window is learnt, 0.125 s
         a = await fit.admit("a", chars(600), 0, [1])
         b = await fit.admit("b", chars(300), 0, [1])
         a.end(1, 600, 0)
-        clock.now += 0.15
+        clock.advance(0.15)
         b.end(1, 300, 0)
-        clock.now += 0.01
+        clock.advance(0.01)
         fit.touch("b")
         b = await fit.admit("b", chars(500), 0, [1])  # b's turn came in time, a's has not: a's share is released
         assert fit.replica_of("a") is None and b.reason == "live"
         b.end(1, 500, 0)
-        clock.now += 0.01
+        clock.advance(0.01)
         fit.touch("a")  # 0.17 s after its answer: later than the window, within idle_s
         again = await fit.admit("a", chars(650), 0, [1, 0])
         assert (again.replica, again.reason, again.waited_s) == (1, "live", 0.0)  # 650 + 500 > 1000, and a is older
@@ -252,7 +281,7 @@ def test_a_conversation_idled_out_early_takes_its_old_place_back_when_its_next_t
         await asyncio.sleep(0)
         assert not b_next.done()  # b, the younger, waits for a (the clock is stopped: it would wait for ever)
         b_next.cancel()
-        clock.now += 0.6
+        clock.advance(0.6)
         fit.touch("a")  # beyond idle_s: a person's return, no continuation
         assert (await fit.admit("a", chars(650), 0, [1, 0])).reason == "room"
 
@@ -261,18 +290,18 @@ def test_a_conversation_idled_out_early_takes_its_old_place_back_when_its_next_t
 
 def test_a_lone_question_frees_its_share_after_first_idle_s_a_conversation_after_idle_s() -> None:
     async def main() -> None:
-        fit = CacheFit([1000, 1000], fill=1.0, idle_s=10.0, first_idle_s=0.1, grace_s=10.0)
+        fit = make_fit([1000, 1000], fill=1.0, idle_s=10.0, first_idle_s=0.1, grace_s=10.0)
         lone = await fit.admit("lone", chars(900), 0, [0])
         lone.end(0, 900, 0)
         talk = await fit.admit("talk", chars(400), 0, [1])
         talk.end(1, 400, 0)
         talk = await fit.admit("talk", chars(800), 0, [1])  # a second turn: now it holds its share for idle_s
         talk.end(1, 800, 0)
-        await asyncio.sleep(0.2)
+        await step(fit, 0.2)
         first = await asyncio.wait_for(fit.admit("x", chars(900), 0, [0, 1]), 1.0)
         assert (first.replica, first.waited_s) == (0, 0.0)  # the lone question's share is free
         second = asyncio.ensure_future(fit.admit("y", chars(900), 0, [1, 0]))
-        await asyncio.sleep(0.2)
+        await step(fit, 0.2)
         assert not second.done()  # "talk" still holds replica 1, "x" replica 0
         second.cancel()
 
@@ -281,7 +310,7 @@ def test_a_lone_question_frees_its_share_after_first_idle_s_a_conversation_after
 
 def test_a_turn_without_history_never_waits_and_is_counted_on_the_routers_choice() -> None:
     async def main() -> None:
-        fit = CacheFit([1000, 1000], fill=1.0, grace_s=10.0)
+        fit = make_fit([1000, 1000], fill=1.0, grace_s=10.0)
         await fit.admit("a", chars(900), 0, [0, 1])
         lone = await asyncio.wait_for(fit.admit("q", chars(900), 0, [0, 1], history=False), 0.5)
         assert (lone.replica, lone.reason, lone.waited_s) == (0, "first", 0.0)  # the router's choice, over the fill
@@ -294,7 +323,7 @@ def test_a_conversation_moved_to_the_replica_that_served_it_counts_there_and_may
     """Behind a gateway the serving replica is learnt after the turn (``move``): the conversation's share moves
     with it, and once that replica's older conversations fill it the moved one's next turn waits."""
     async def main() -> None:
-        fit = CacheFit([1000, 1000], fill=1.0, max_wait_s=5.0)
+        fit = make_fit([1000, 1000], fill=1.0, max_wait_s=5.0)
         older = await fit.admit("older", chars(700), 0, [1])
         older.end(None, 700, 0)
         first = await fit.admit("b", chars(100), 0, fit.by_room([0, 1]), history=False)
@@ -305,7 +334,7 @@ def test_a_conversation_moved_to_the_replica_that_served_it_counts_there_and_may
         assert fit.replica_of("b") == 1 and fit.live_tokens(0) == 0 and fit.live_tokens(1) == 1200
         assert fit.by_room([0, 1]) == [0, 1]
         waiting = asyncio.ensure_future(fit.admit("b", chars(500), 0, [1]))
-        await asyncio.sleep(0.01)
+        await step(fit, 0.01)
         assert not waiting.done()  # 700 + 500 > 1000: the older conversation keeps replica 1
         fit.move("nobody", 0)  # an unknown conversation: nothing happens
         fit.move("older", 0)  # the older one turns out to live on replica 0: b is resident on 1 now
@@ -317,17 +346,17 @@ def test_a_conversation_moved_to_the_replica_that_served_it_counts_there_and_may
 
 def test_a_turn_that_reached_the_proxy_keeps_its_conversation_live_while_it_is_prepared() -> None:
     async def main() -> None:
-        fit = CacheFit([1000], fill=1.0, idle_s=0.3, first_idle_s=0.3, grace_s=10.0)
+        fit = make_fit([1000], fill=1.0, idle_s=0.3, first_idle_s=0.3, grace_s=10.0)
         for turn in (1, 2):
             slot = await fit.admit("a", chars(300 * turn), 0, [0])
             slot.end(0, 300 * turn, 0)
-        await asyncio.sleep(0.2)
+        await step(fit, 0.2)
         fit.touch("a")  # a's third turn arrived; preparing it takes longer than what is left of the idle window
-        await asyncio.sleep(0.2)
+        await step(fit, 0.2)
         third = await fit.admit("a", chars(900), 0, [0])
         assert third.reason == "live"  # not expired and re-admitted as a new conversation
         third.end(0, 900, 0)
-        await asyncio.sleep(0.35)
+        await step(fit, 0.35)
         fit.touch("a")  # too late: its idle window had passed (a touch does not revive a conversation)
         assert (await fit.admit("a", chars(900), 0, [0])).reason == "room"
 
@@ -342,12 +371,12 @@ def test_with_the_proxy_defaults_a_second_turn_a_few_hundred_ms_late_is_still_li
     config = ServerConfig(engines=["http://127.0.0.1:1"])
 
     async def main() -> None:
-        fit = CacheFit([1000], fill=1.0, idle_s=config.fit_idle_ms / 1000, grace_s=10.0,
-                       first_idle_s=config.fit_first_idle_ms / 1000)
+        fit = make_fit([1000], fill=1.0, idle_s=config.fit.idle_ms / 1000, grace_s=10.0,
+                       first_idle_s=config.fit.first_idle_ms / 1000)
         first = await fit.admit("a", chars(500), 0, [0], history=False)
         first.end(0, 500, 0)
         other = await fit.admit("b", chars(600), 0, [0], history=False)  # fills the cache with a
-        await asyncio.sleep(0.3)
+        await step(fit, 0.3)
         fit.touch("a")
         second = await asyncio.wait_for(fit.admit("a", chars(600), 0, [0]), 1.0)
         assert (second.reason, second.waited_s) == ("live", 0.0)
@@ -356,19 +385,11 @@ def test_with_the_proxy_defaults_a_second_turn_a_few_hundred_ms_late_is_still_li
     asyncio.run(main())
 
 
-class _Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-async def _continue(fit: CacheFit, clock: _Clock, key: str, gap_s: float) -> None:
+async def _continue(fit: CacheFit, clock: ManualClock, key: str, gap_s: float) -> None:
     """One turn of ``key`` answered, then its next turn reaching the proxy ``gap_s`` later."""
     slot = await fit.admit(key, chars(10), 0, [0])
     slot.end(0, 10, 0)
-    clock.now += gap_s
+    clock.advance(gap_s)
     fit.touch(key)
 
 
@@ -376,8 +397,8 @@ def test_the_idle_window_is_learnt_from_the_gaps_between_an_answer_and_the_next_
     from cpmemory.server.fit import GAP_FLOOR_S, GAP_MARGIN, GAP_MIN_SAMPLES
 
     async def main() -> None:
-        clock = _Clock()
-        fit = CacheFit([100_000], fill=1.0, idle_s=0.5, first_idle_s=0.5, grace_s=10.0, clock=clock)
+        clock = ManualClock()
+        fit = make_fit([100_000], fill=1.0, idle_s=0.5, first_idle_s=0.5, grace_s=10.0, clock=clock)
         for turn in range(GAP_MIN_SAMPLES - 1):
             await _continue(fit, clock, f"c{turn}", 0.2)
         assert fit.idle_window_s() == 0.5  # too few gaps seen: the configured window
@@ -396,14 +417,14 @@ def test_a_learnt_window_frees_an_idle_share_sooner_and_grows_back_when_longer_g
     from cpmemory.server.fit import GAP_MARGIN, GAP_MIN_SAMPLES
 
     async def run(learn_idle: bool) -> CacheFit:
-        clock = _Clock()
-        fit = CacheFit([100_000], fill=1.0, idle_s=0.5, first_idle_s=0.5, grace_s=10.0, clock=clock,
+        clock = ManualClock()
+        fit = make_fit([100_000], fill=1.0, idle_s=0.5, first_idle_s=0.5, grace_s=10.0, clock=clock,
                        learn_idle=learn_idle)
         for turn in range(GAP_MIN_SAMPLES):
             await _continue(fit, clock, f"c{turn % 3}", 0.1)
         slot = await fit.admit("slow", chars(10), 0, [0])
         slot.end(0, 10, 0)
-        clock.now += GAP_MARGIN * 0.1 + 0.01  # idle past the learnt window, well within idle_s
+        clock.advance(GAP_MARGIN * 0.1 + 0.01)  # idle past the learnt window, well within idle_s
         await fit.admit("other", chars(10), 0, [0], history=False)  # any admission expires the idle ones
         return fit
 
@@ -418,8 +439,8 @@ def test_with_a_fixed_idle_window_the_gaps_change_nothing() -> None:
     from cpmemory.server.fit import GAP_MIN_SAMPLES
 
     async def main() -> None:
-        clock = _Clock()
-        fit = CacheFit([100_000], idle_s=0.5, first_idle_s=0.5, clock=clock, learn_idle=False)
+        clock = ManualClock()
+        fit = make_fit([100_000], idle_s=0.5, first_idle_s=0.5, clock=clock, learn_idle=False)
         for turn in range(2 * GAP_MIN_SAMPLES):
             await _continue(fit, clock, f"c{turn}", 0.01)
         assert fit.idle_window_s() == 0.5
@@ -441,7 +462,7 @@ async def _b_outgrown(fit: CacheFit) -> None:
 
 def test_a_conversation_outgrown_on_its_replica_moves_at_once_to_one_with_room() -> None:
     async def main() -> None:
-        fit = CacheFit([1000, 1000], fill=1.0, idle_s=2.0, first_idle_s=2.0, grace_s=10.0)
+        fit = make_fit([1000, 1000], fill=1.0, idle_s=2.0, first_idle_s=2.0, grace_s=10.0)
         await _b_outgrown(fit)
         moved = await asyncio.wait_for(fit.admit("b", chars(400), 0, [0, 1]), 1.0)
         assert (moved.replica, moved.reason, moved.waited_s) == (1, "moved", 0.0)
@@ -456,11 +477,11 @@ def test_a_conversation_outgrown_on_its_replica_moves_at_once_to_one_with_room()
 @pytest.mark.parametrize("ranked", [[0], [0, 1]])
 def test_a_conversation_does_not_move_off_rotation_nor_with_moves_off(ranked: list[int]) -> None:
     async def main() -> None:
-        fit = CacheFit([1000, 1000], fill=1.0, idle_s=2.0, first_idle_s=2.0, grace_s=10.0,
+        fit = make_fit([1000, 1000], fill=1.0, idle_s=2.0, first_idle_s=2.0, grace_s=10.0,
                        move=len(ranked) == 1)  # replica 1 out of rotation, or moves off
         await _b_outgrown(fit)
         waiting = asyncio.ensure_future(fit.admit("b", chars(400), 0, ranked))
-        await asyncio.sleep(0.05)
+        await step(fit, 0.05)
         assert not waiting.done() and fit.replica_of("b") == 0  # it waits for a on replica 0
         waiting.cancel()
         with pytest.raises(asyncio.CancelledError):
@@ -472,14 +493,15 @@ def test_a_conversation_does_not_move_off_rotation_nor_with_moves_off(ranked: li
 
 def test_a_waiting_conversation_moves_when_another_replica_gets_room() -> None:
     async def main() -> None:
-        fit = CacheFit([1000, 1000], fill=1.0, idle_s=2.0, first_idle_s=0.15, grace_s=10.0)
+        fit = make_fit([1000, 1000], fill=1.0, idle_s=2.0, first_idle_s=0.15, grace_s=10.0)
         d = await fit.admit("d", chars(900), 0, [1, 0])  # a big first turn fills replica 1 (in flight)
         assert d.replica == 1
         await _b_outgrown(fit)
         waiting = asyncio.ensure_future(fit.admit("b", chars(400), 0, [0, 1]))
-        await asyncio.sleep(0.05)
+        await step(fit, 0.05)
         assert not waiting.done()  # 900 + 400 > 1000 on both replicas
         d.end(1, 900, 0)  # d had a single turn: it frees replica 1 after first_idle_s
+        await step(fit, 0.16)
         moved = await asyncio.wait_for(waiting, 2.0)
         assert (moved.replica, moved.reason) == (1, "moved") and moved.waited_s > 0.05
         assert fit.replica_of("b") == 1 and fit.live_tokens(0) == 900
@@ -489,15 +511,15 @@ def test_a_waiting_conversation_moves_when_another_replica_gets_room() -> None:
 
 def test_a_move_does_not_overtake_a_new_conversation_waiting_for_room() -> None:
     async def main() -> None:
-        fit = CacheFit([1000, 1000], fill=1.0, idle_s=2.0, first_idle_s=2.0, grace_s=10.0)
+        fit = make_fit([1000, 1000], fill=1.0, idle_s=2.0, first_idle_s=2.0, grace_s=10.0)
         d = await fit.admit("d", chars(300), 0, [1, 0])
         assert d.replica == 1
         await _b_outgrown(fit)  # replica 0: a 900, b 400; replica 1: d 300
         newcomer = asyncio.ensure_future(fit.admit("n", chars(800), 0, [1, 0]))  # fits nowhere: waits
-        await asyncio.sleep(0.02)
+        await step(fit, 0.02)
         assert not newcomer.done()
         waiting = asyncio.ensure_future(fit.admit("b", chars(400), 0, [0, 1]))
-        await asyncio.sleep(0.02)
+        await step(fit, 0.02)
         assert not waiting.done() and fit.replica_of("b") == 0  # 300 + 400 fit on 1, but n came first
         for task in (newcomer, waiting):
             task.cancel()
@@ -528,7 +550,7 @@ def test_a_waiting_turn_does_not_wake_admission_until_something_can_change() -> 
 
     async def main() -> None:
         observer = Counting()
-        fit = CacheFit([1000, 1000], fill=1.0, idle_s=0.05, first_idle_s=0.05, grace_s=0.01, observer=observer,
+        fit = make_fit([1000, 1000], fill=1.0, idle_s=0.05, first_idle_s=0.05, grace_s=0.01, observer=observer,
                        move=False, learn_idle=False)
         a = await fit.admit("a", chars(500), 0, [0])
         b = await fit.admit("b", chars(400), 0, [0])
@@ -536,12 +558,13 @@ def test_a_waiting_turn_does_not_wake_admission_until_something_can_change() -> 
         a.end(0, 900, 0)  # a outgrew: b (younger) is no longer resident on replica 0
         a2 = await fit.admit("a", chars(900), 0, [0])
         b_next = asyncio.ensure_future(fit.admit("b", chars(400), 0, [0]))
-        await asyncio.sleep(0.1)  # b's idle time (0.05 s) and replica 1's grace (0.01 s) are now past
+        await step(fit, 0.1)  # b's idle time (0.05 s) and replica 1's grace (0.01 s) are now past
         before = observer.checks
-        await asyncio.sleep(0.3)
+        await step(fit, 0.3)
         assert not b_next.done()
         assert observer.checks - before <= 3  # was about 300: one pass per millisecond
         a2.end(0, 950, 0)  # a's turn ends: b resumes after a's idle share expires
+        await step(fit, 0.06)
         resumed = await asyncio.wait_for(b_next, 2.0)
         assert resumed.reason == "resumed"
 
@@ -550,7 +573,7 @@ def test_a_waiting_turn_does_not_wake_admission_until_something_can_change() -> 
 
 def test_the_first_count_of_a_long_prompt_sets_the_estimate_and_answers_move_it_from_there() -> None:
     async def main() -> None:
-        fit = CacheFit([None], fill=1.0)
+        fit = make_fit([None], fill=1.0)
         assert not fit.calibrated and fit.tokens_per_char == 0.25
         fit.calibrate(999, 999)  # too short to say (the template's own tokens weigh): nothing changes
         fit.calibrate(10_000, 0)

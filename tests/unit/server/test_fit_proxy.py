@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from cpmemory.core.invariants import check_no_loss
+from cpmemory.server.config import FitConfig
 
 CACHE_TOKENS = 2_000  # per replica; fill 0.9: 1,800 tokens of live histories
 IDLE_MS = 400.0
@@ -51,7 +52,7 @@ async def waits(proxy: Any) -> float:
 
 @pytest.mark.parametrize("stream", [False, True])
 async def test_a_later_turn_waits_while_an_older_conversation_fills_its_replica(make_proxy, stream: bool) -> None:
-    proxy = make_proxy(1, replica_cache_tokens=CACHE_TOKENS, fit_idle_ms=IDLE_MS, fit_first_idle_ms=IDLE_MS)
+    proxy = make_proxy(1, replica_cache_tokens=CACHE_TOKENS, fit=FitConfig(idle_ms=IDLE_MS, first_idle_ms=IDLE_MS))
     for turn in (1, 2):
         await post(proxy, "a", turn, stream)  # a is live, with two turns: it holds its share for fit_idle_ms
     await post(proxy, "b", 1, stream)
@@ -66,7 +67,7 @@ async def test_a_later_turn_waits_while_an_older_conversation_fills_its_replica(
 async def test_a_stream_says_why_admission_let_it_in_and_how_long_it_waited(make_proxy) -> None:
     from cpmemory.server.fit import FIT_HEADER, parse_fit_header
 
-    proxy = make_proxy(1, replica_cache_tokens=CACHE_TOKENS, fit_idle_ms=IDLE_MS, fit_first_idle_ms=IDLE_MS)
+    proxy = make_proxy(1, replica_cache_tokens=CACHE_TOKENS, fit=FitConfig(idle_ms=IDLE_MS, first_idle_ms=IDLE_MS))
     seen = []
     for conversation, turn in (("a", 1), ("a", 2), ("b", 1), ("b", 2)):
         response = await proxy.client.post("/v1/chat/completions", json=body(conversation, turn, stream=True))
@@ -74,7 +75,7 @@ async def test_a_stream_says_why_admission_let_it_in_and_how_long_it_waited(make
         seen.append(parse_fit_header(response.headers.get(FIT_HEADER)))
     assert [reason for reason, _ in seen] == ["first", "live", "first", "resumed"]
     assert seen[1][1] == 0.0 and seen[3][1] >= 0.5 * IDLE_MS  # b's second turn waited for a to go idle (ms)
-    off = make_proxy(1, replica_cache_tokens=CACHE_TOKENS, fit=False)
+    off = make_proxy(1, replica_cache_tokens=CACHE_TOKENS, fit=FitConfig(enabled=False))
     response = await off.client.post("/v1/chat/completions", json=body("a", 1, stream=True))
     assert response.status_code == 200 and "X-Cpmemory-Fit" not in response.headers
 
@@ -90,8 +91,7 @@ def test_parse_fit_header_reads_only_its_own_form() -> None:
 
 
 async def test_turns_that_fit_together_do_not_wait(make_proxy) -> None:
-    proxy = make_proxy(1, replica_cache_tokens=10 * CACHE_TOKENS, fit_idle_ms=IDLE_MS,
-                       fit_first_idle_ms=IDLE_MS)
+    proxy = make_proxy(1, replica_cache_tokens=10 * CACHE_TOKENS, fit=FitConfig(idle_ms=IDLE_MS, first_idle_ms=IDLE_MS))
     for turn in (1, 2):
         for conversation in ("a", "b"):
             await post(proxy, conversation, turn)
@@ -100,7 +100,7 @@ async def test_turns_that_fit_together_do_not_wait(make_proxy) -> None:
 
 
 async def test_with_admission_off_nothing_waits(make_proxy) -> None:
-    proxy = make_proxy(1, replica_cache_tokens=CACHE_TOKENS, fit=False)
+    proxy = make_proxy(1, replica_cache_tokens=CACHE_TOKENS, fit=FitConfig(enabled=False))
     for turn in (1, 2):
         await post(proxy, "a", turn)
     await post(proxy, "b", 1)
@@ -110,7 +110,7 @@ async def test_with_admission_off_nothing_waits(make_proxy) -> None:
 
 
 async def test_every_block_reaches_the_engine_while_turns_wait(make_proxy) -> None:
-    proxy = make_proxy(1, replica_cache_tokens=CACHE_TOKENS, fit_idle_ms=50.0)
+    proxy = make_proxy(1, replica_cache_tokens=CACHE_TOKENS, fit=FitConfig(idle_ms=50.0))
     sent = [("a", 1), ("a", 2), ("b", 1), ("b", 2), ("a", 3)]
     for conversation, turn in sent:
         await post(proxy, conversation, turn)
@@ -122,7 +122,7 @@ async def test_every_block_reaches_the_engine_while_turns_wait(make_proxy) -> No
         assert report.ok, report
 
 
-def test_serve_flags_reach_admission(monkeypatch) -> None:
+def test_serve_flags_and_the_config_file_reach_admission(monkeypatch, tmp_path) -> None:
     import uvicorn
     from typer.testing import CliRunner
 
@@ -131,22 +131,25 @@ def test_serve_flags_reach_admission(monkeypatch) -> None:
     served: list[Any] = []
     monkeypatch.setattr(uvicorn, "run", lambda app, **options: served.append(app))
     runner = CliRunner()
+    settings = tmp_path / "serve.toml"
+    settings.write_text("replica_cache_tokens = 4096\n[fit]\nmax_wait_s = 7\nidle_ms = 250\nfill = 0.45\n")
     result = runner.invoke(cli, ["serve", "--engine", "http://127.0.0.1:9", "--engine", "http://127.0.0.1:10",
-                                 "--replica-cache-tokens", "4096", "--fit-max-wait", "7", "--fit-idle-ms", "250",
-                                 "--fit-fill", "0.45"])
+                                 "--config", str(settings)])
     assert result.exit_code == 0, result.output
     fit = served[0].state.service.fit
     assert fit.capacities == [4096, 4096] and fit.max_wait_s == 7 and fit.idle_s == pytest.approx(0.25)
     assert fit.fill == pytest.approx(0.45)
     assert runner.invoke(cli, ["serve", "--engine", "http://127.0.0.1:9", "--no-fit"]).exit_code == 0
     assert served[1].state.service.fit is None
-    for bad in (["--fit-max-wait", "0"], ["--fit-fill", "1.5"]):
-        result = runner.invoke(cli, ["serve", "--engine", "http://127.0.0.1:9", *bad])
+    for bad in ("[fit]\nmax_wait_s = 0\n", "[fit]\nfill = 1.5\n", "[fit]\nfil = 0.5\n"):  # the last: a typo
+        settings.write_text(bad)
+        result = runner.invoke(cli, ["serve", "--engine", "http://127.0.0.1:9", "--config", str(settings)])
         assert result.exit_code == 2 and len(served) == 2
 
 
 def test_admission_is_sized_per_replica_or_as_one_pool_behind_a_gateway() -> None:
-    from cpmemory.server.app import ServerConfig, build_fit
+    from cpmemory.server.admission import build_fit
+    from cpmemory.server.app import ServerConfig
     from cpmemory.server.metrics import ProxyMetrics
 
     engines = ["http://e0", "http://e1"]
@@ -156,7 +159,7 @@ def test_admission_is_sized_per_replica_or_as_one_pool_behind_a_gateway() -> Non
     assert gateway is not None and gateway.capacities == [2000]
     unsized = build_fit(ServerConfig(engines=engines), ProxyMetrics(2))
     assert unsized is not None and not unsized.sized  # until the engines' /metrics give the sizes
-    assert build_fit(ServerConfig(engines=engines, fit=False), ProxyMetrics(2)) is None
+    assert build_fit(ServerConfig(engines=engines, fit=FitConfig(enabled=False)), ProxyMetrics(2)) is None
 
 
 async def test_a_conversation_outgrown_on_its_replica_moves_to_the_other_and_stays_there(make_proxy) -> None:
@@ -165,7 +168,7 @@ async def test_a_conversation_outgrown_on_its_replica_moves_to_the_other_and_sta
     its later turns follow it there."""
     from cpmemory.routing.router import Router, RouterConfig, conversation_affinity_key
 
-    proxy = make_proxy(2, replica_cache_tokens=4_000, fit_idle_ms=2_000.0, fit_first_idle_ms=2_000.0,
+    proxy = make_proxy(2, replica_cache_tokens=4_000, fit=FitConfig(idle_ms=2_000.0, first_idle_ms=2_000.0),
                        router=RouterConfig(policy="affinity"))
     ranking = Router(proxy.fleet.urls).ranking
     names = [f"conv-{index}" for index in range(64)]

@@ -1,5 +1,5 @@
 """The hold-and-release queue (cpmemory.server.hold), on its own: who waits, when a window is released, in which
-order, and that a cancelled waiter leaves nothing behind."""
+order, and that a cancelled waiter leaves nothing behind. Time is a manual clock the tests step: nothing sleeps."""
 from __future__ import annotations
 
 import asyncio
@@ -9,9 +9,16 @@ import pytest
 from cpmemory.core.blocks import Block
 from cpmemory.core.scheduling import ReleasePlan
 from cpmemory.facade import AsyncCpMemory
+from cpmemory.server.clock import ManualClock
 from cpmemory.server.hold import HoldQueue
 
 LONG = 30.0  # a hold that never expires within a test: releases come from slots
+
+
+async def settle() -> None:
+    """Let every task that can run, run (no time passes)."""
+    for _ in range(10):
+        await asyncio.sleep(0)
 
 
 def blocks(*ids: int) -> tuple[Block, ...]:
@@ -96,13 +103,18 @@ async def test_below_the_bound_nobody_waits_and_a_slot_releases_the_window_in_pl
 async def test_the_oldest_waits_at_most_hold_s_then_every_held_request_is_released():
     recorder = Recorder()
     hold_s = 0.03
-    queue = HoldQueue(1, hold_s, planner=reverse_planner([]), observer=recorder)
+    clock = ManualClock()
+    queue = HoldQueue(1, hold_s, planner=reverse_planner([]), observer=recorder, clock=clock)
     running = queue.try_admit()
     tasks, admitted = await start_waiters(queue, [("a", blocks(1)), ("b", blocks(2))])
+    clock.advance(hold_s - 0.001)
+    await settle()
+    assert not admitted  # not yet
+    clock.advance(0.001)
     await asyncio.wait_for(asyncio.gather(*tasks), timeout=5)
     assert running is not None and queue.admitted == 3
     assert {admission.reason for _, admission in admitted} == {"timeout"}
-    assert all(admission.waited_s >= hold_s * 0.9 for _, admission in admitted)
+    assert all(admission.waited_s == pytest.approx(hold_s) for _, admission in admitted)
     assert recorder.releases == [("timeout", "planner", 2)]
 
 
@@ -171,11 +183,15 @@ async def test_a_cancelled_waiter_leaves_the_queue_and_the_rest_are_still_releas
 
 async def test_the_only_waiter_cancelled_stops_the_timer():
     recorder = Recorder()
-    queue = HoldQueue(1, 0.02, observer=recorder)
+    clock = ManualClock()
+    queue = HoldQueue(1, 0.02, observer=recorder, clock=clock)
     running = queue.try_admit()
     tasks, _ = await start_waiters(queue, [("a", blocks(1))])
+    assert clock.pending == 1
     tasks[0].cancel()
-    await asyncio.sleep(0.05)
+    await settle()
+    assert clock.pending == 0  # the window's timer went with its only waiter
+    clock.advance(0.05)
     assert queue.waiting == 0 and recorder.releases == [] and queue.admitted == 1
     running.done()
     assert queue.admitted == 0
@@ -288,16 +304,18 @@ async def test_a_released_window_is_sent_in_its_planned_order():
     by_name = dict(admitted)
     order: list[str] = []
 
-    async def send(name: str, delay: float) -> None:
-        await asyncio.sleep(delay)  # a slower preparation than the ones released after it
+    async def send(name: str, slow: bool) -> None:
+        if slow:
+            await settle()  # a slower preparation than the ones released after it
         await by_name[name].in_turn(timeout_s=5)
         order.append(name)
         by_name[name].sent()
 
-    await asyncio.wait_for(asyncio.gather(send("c", 0.05), send("b", 0.0), send("a", 0.0)), timeout=5)
+    await asyncio.wait_for(asyncio.gather(send("c", True), send("b", False), send("a", False)), timeout=5)
     assert order == ["c", "b", "a"]  # the planner's order, though b and a were ready first
     # a request released and never sent gives way at once (done), and a lost turn costs at most the timeout
-    queue2 = HoldQueue(1, LONG, planner=reverse_planner([]))
+    clock = ManualClock()
+    queue2 = HoldQueue(1, LONG, planner=reverse_planner([]), clock=clock)
     running2 = queue2.try_admit()
     tasks2, admitted2 = await start_waiters(queue2, [("a", blocks(1)), ("b", blocks(2)), ("c", blocks(3))])
     running2.done()
@@ -305,13 +323,17 @@ async def test_a_released_window_is_sent_in_its_planned_order():
     first, second, third = (admission for _, admission in admitted2)
     first.done()  # it failed before it was sent
     await asyncio.wait_for(second.in_turn(timeout_s=5), timeout=1)
-    await asyncio.wait_for(third.in_turn(timeout_s=0.05), timeout=1)  # second never says sent: the wait is bounded
+    third_turn = asyncio.ensure_future(third.in_turn(timeout_s=0.05))
+    await settle()
+    assert not third_turn.done()
+    clock.advance(0.05)
+    await asyncio.wait_for(third_turn, timeout=1)  # second never says sent: the wait is bounded
 
 
-async def release_window(planner, names: str, recorder: Recorder):
-    """A queue of one slot with ``planner``: the slot taken, one waiter per name, the slot freed; returns the
-    (name, admission) pairs in release order."""
-    queue = HoldQueue(1, LONG, planner=planner, observer=recorder)
+async def release_window(planner, names: str, recorder: Recorder, clock: ManualClock | None = None):
+    """A queue of one slot with ``planner`` (on ``clock``): the slot taken, one waiter per name, the slot freed;
+    returns the (name, admission) pairs in release order."""
+    queue = HoldQueue(1, LONG, planner=planner, observer=recorder, clock=clock or ManualClock())
     running = queue.try_admit()
     tasks, admitted = await start_waiters(queue, [(name, blocks(i)) for i, name in enumerate(names)])
     running.done()
@@ -343,11 +365,16 @@ async def test_a_plan_whose_lanes_do_not_match_the_window_is_not_followed():
 
 async def test_a_request_whose_predecessor_is_not_sent_in_time_goes_on_and_is_counted():
     recorder = Recorder()
-    admitted = await release_window(reverse_planner([]), "ab", recorder)
+    clock = ManualClock()
+    admitted = await release_window(reverse_planner([]), "ab", recorder, clock)
     first, second = (admission for _, admission in admitted)
     await first.in_turn(0.01)  # the first of its release never waits
     assert recorder.send_timeouts == 0
-    await second.in_turn(0.01)  # the first was never sent: it goes on after the limit
+    turn = asyncio.ensure_future(second.in_turn(0.01))
+    await settle()
+    assert not turn.done()
+    clock.advance(0.01)
+    await turn  # the first was never sent: it goes on after the limit
     assert recorder.send_timeouts == 1
     first.sent()
     await second.in_turn(0.01)
@@ -361,7 +388,7 @@ async def test_a_split_window_keeps_each_lane_in_order_without_waiting_for_the_o
     a, b, c, d = (admission for _, admission in admitted)
     await asyncio.wait_for(b.in_turn(5), 1)  # lane 1's first waits for nobody, though lane 0's first is not sent
     waiting = asyncio.ensure_future(c.in_turn(5))
-    await asyncio.sleep(0.01)
+    await settle()
     assert not waiting.done()  # lane 0's second waits for lane 0's first
     b.sent()
     await asyncio.wait_for(d.in_turn(5), 1)  # lane 1's second follows lane 1's first
@@ -373,12 +400,13 @@ async def test_a_split_window_keeps_each_lane_in_order_without_waiting_for_the_o
 
 async def test_the_send_limit_counts_from_the_turn_of_the_one_before_so_a_long_window_keeps_its_order():
     recorder = Recorder()
-    admitted = await release_window(lambda requests, tenant: list(range(len(requests))), "abcdef", recorder)
+    clock = ManualClock()
+    admitted = await release_window(lambda requests, tenant: list(range(len(requests))), "abcdef", recorder, clock)
     sent_order: list[int] = []
 
     async def send(index, admission):
         await admission.in_turn(0.2)  # each link waits at most 0.2 s once the one before got its turn
-        await asyncio.sleep(0.08)  # a send takes 0.08 s: the window takes 0.48 s, more than the limit
+        clock.advance(0.08)  # a send takes 0.08 s: the window takes 0.48 s, more than the limit
         sent_order.append(index)
         admission.sent()
 

@@ -10,6 +10,7 @@ import pytest
 from cpmemory.core.blocks import Block
 from cpmemory.core.scheduling import ReleasePlan
 from cpmemory.facade import AsyncCpMemory
+from cpmemory.server.clock import ManualClock
 from cpmemory.server.hold import HoldQueue
 from cpmemory.server.pick import SentOrders
 
@@ -152,16 +153,21 @@ async def test_with_the_pick_a_timeout_releases_only_those_that_waited_hold_s_as
         calls.append(len(requests))
         return AsyncCpMemory().release_plan(requests, tenant=tenant, lanes=2)
 
-    queue = HoldQueue(1, 0.2, planner=planner, pick=SentOrders(lambda r: None).cached, healthy=lambda: [0])
+    clock = ManualClock()
+    queue = HoldQueue(1, 0.2, planner=planner, pick=SentOrders(lambda r: None).cached, healthy=lambda: [0],
+                      clock=clock)
     running = (await admit_all(queue, [("first", (block(1),))]))["first"].result()
     early = await admit_all(queue, [("a", (block(2),)), ("b", (block(3),)), ("gone", (block(4),))])
     early["gone"].cancel()
-    await asyncio.sleep(0.1)
+    clock.advance(0.1)
     late = asyncio.ensure_future(queue.admit("t", (block(5),)))
+    await asyncio.sleep(0)
+    clock.advance(0.1)  # a and b waited hold_s; late, half of it
     released = [await asyncio.wait_for(early[name], 1.0) for name in "ab"]
     assert [admission.reason for admission in released] == ["timeout", "timeout"]
     assert calls[-1] == 2  # the two that waited hold_s were planned together, as a window
     assert not late.done() and queue.waiting == 1  # it has not waited hold_s yet: still held for a pick
+    clock.advance(0.1)
     assert (await asyncio.wait_for(late, 1.0)).reason == "timeout"
     for admission in (*released, late.result(), running):
         admission.done()

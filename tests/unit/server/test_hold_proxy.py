@@ -16,6 +16,8 @@ from cpmemory.core.invariants import check_no_loss
 from cpmemory.core.scheduling import ReleasePlan
 from cpmemory.facade import AsyncCpMemory
 from cpmemory.server.app import ServerConfig, create_app
+from cpmemory.server.clock import ManualClock
+from cpmemory.server.config import ExperimentalConfig, FitConfig, HoldConfig
 from cpmemory.testing.fleet import MockFleet
 
 TEXTS = {i: f"Document {i}: " + f"fact {i} about the topic. " * (6 + 5 * (i % 4)) for i in range(12)}
@@ -74,14 +76,23 @@ class ReversingMemory(AsyncCpMemory):
         return ReleasePlan(tuple(reversed(plan.order)), plan.lanes)
 
 
+def admission(*, max_in_flight: int | None = 1, hold_ms: float = 1000.0, hold_fit: bool = False,
+              hold_pick: bool = False, hold_split: bool = True, fit: bool = True) -> dict[str, Any]:
+    """The config sections of a hold: ``window`` (``pick`` with ``hold_pick``) with these bounds."""
+    return {"hold": HoldConfig(policy="pick" if hold_pick else "window", max_in_flight=max_in_flight,
+                               token_bound=hold_fit, timeout_ms=hold_ms),
+            "fit": FitConfig(enabled=fit), "experimental": ExperimentalConfig(hold_split=hold_split)}
+
+
 class HeldProxy:
     def __init__(self, memory: AsyncCpMemory, replicas: int = 1, **config: Any) -> None:
         self.fleet = MockFleet(replicas, block_size=16, capacity_blocks=4096)
         self.transport = GatedTransport(self.fleet.chat_transport())
         self.memory = memory
-        config.setdefault("hold_ms", 1000.0)  # the longest allowed: releases come from slots unless a test says so
-        config.setdefault("max_in_flight", 1)
-        self.app = create_app(ServerConfig(engines=self.fleet.urls, **config), memory=memory,
+        # a long timeout by default: releases come from slots unless a test says so
+        sections = admission(**{key: config.pop(key) for key in list(config)
+                                if key in ("max_in_flight", "hold_ms", "hold_fit", "hold_pick", "hold_split", "fit")})
+        self.app = create_app(ServerConfig(engines=self.fleet.urls, **sections, **config), memory=memory,
                               transport=self.transport)
         self.client = httpx.AsyncClient(transport=httpx.ASGITransport(app=self.app), base_url="http://proxy",
                                         timeout=30)
@@ -94,10 +105,11 @@ class HeldProxy:
         return asyncio.ensure_future(self.client.post("/v1/chat/completions", json=payload))
 
     async def until(self, condition: Any) -> None:
-        for _ in range(2000):
+        """Let the loop run until ``condition()`` holds (no time passes: what it waits for needs no timer)."""
+        for _ in range(20_000):
             if condition():
                 return
-            await asyncio.sleep(0.001)
+            await asyncio.sleep(0)
         raise AssertionError("condition not reached")
 
     def sent_conversations(self) -> list[str]:
@@ -220,9 +232,13 @@ async def test_a_failed_engine_call_after_release_aborts_its_turn_and_frees_its_
 
 async def test_a_request_whose_hold_expires_is_released_without_a_slot(held_proxy):
     proxy = held_proxy(hold_ms=20)
+    clock = proxy.hold._clock = ManualClock()  # the queue's time, stepped here
     first = proxy.post(body("first", FIRST))
     await asyncio.wait_for(proxy.transport.entered.wait(), 10)
-    late = await asyncio.wait_for(proxy.client.post("/v1/chat/completions", json=body("w0", WINDOW[0])), 10)
+    waiting = proxy.post(body("w0", WINDOW[0]))
+    await proxy.until(lambda: proxy.hold.waiting == 1)
+    clock.advance(0.02)
+    late = await asyncio.wait_for(waiting, 10)
     assert late.status_code == 200  # the first still runs: the hold expired and the request went anyway
     assert proxy.sent_conversations() == ["w0"]
     proxy.transport.gate.set()
@@ -363,19 +379,33 @@ def blocks_of(i: int) -> list[dict[str, str]]:
 
 async def test_off_by_default_nothing_waits():
     config = ServerConfig(engines=["http://engine-0"])
-    assert config.max_in_flight is None and config.hold_ms == 5.0
+    assert config.hold.policy == "off" and config.hold.settings() is None
     assert create_app(config).state.service.hold is None
     with pytest.raises(ValueError):
-        ServerConfig(engines=["http://engine-0"], max_in_flight=0)
+        ServerConfig(engines=["http://engine-0"], hold=HoldConfig(policy="window", max_in_flight=0))
     with pytest.raises(ValueError):
-        ServerConfig(engines=["http://engine-0"], max_in_flight=4, hold_ms=0)
+        ServerConfig(engines=["http://engine-0"], hold=HoldConfig(policy="window", timeout_ms=0))
+    with pytest.raises(ValueError, match="hold policy"):  # a bound without a policy is a mistake, not ignored
+        ServerConfig(engines=["http://engine-0"], hold=HoldConfig(max_in_flight=2))
     # seconds of hold, for a fleet under sustained overload, up to a minute
-    assert ServerConfig(engines=["http://engine-0"], max_in_flight=1, hold_ms=60_000).hold_ms == 60_000
+    long_hold = ServerConfig(engines=["http://engine-0"], hold=HoldConfig(policy="window", timeout_ms=60_000))
+    assert long_hold.hold.settings().timeout_s == 60.0
     with pytest.raises(ValueError):
-        ServerConfig(engines=["http://engine-0"], max_in_flight=1, hold_ms=60_001)
+        HoldConfig(policy="window", timeout_ms=60_001)
 
 
-def test_serve_flags_reach_the_queue(monkeypatch):
+def test_each_policy_has_its_defaults_and_the_section_overrides_them():
+    window = HoldConfig(policy="window").settings()
+    assert window.max_in_flight is None and window.token_bound and window.timeout_s == pytest.approx(0.1)
+    pick = HoldConfig(policy="pick").settings()
+    assert pick.max_in_flight == 1 and not pick.token_bound and pick.timeout_s == pytest.approx(60.0)
+    mixed = HoldConfig(policy="pick", max_in_flight=3, timeout_ms=500).settings()
+    assert mixed.max_in_flight == 3 and mixed.timeout_s == pytest.approx(0.5)
+    with pytest.raises(ValueError, match="bound"):
+        ServerConfig(engines=["http://a"], hold=HoldConfig(policy="window", token_bound=False))
+
+
+def test_serve_flags_reach_the_queue(monkeypatch, tmp_path):
     import uvicorn
     from typer.testing import CliRunner
 
@@ -384,20 +414,22 @@ def test_serve_flags_reach_the_queue(monkeypatch):
     served: list[Any] = []
     monkeypatch.setattr(uvicorn, "run", lambda app, **options: served.append(app))
     runner = CliRunner()
-    result = runner.invoke(cli, ["serve", "--engine", "http://127.0.0.1:9", "--max-in-flight", "8", "--hold-ms", "3"])
+    engine = ["serve", "--engine", "http://127.0.0.1:9"]
+    result = runner.invoke(cli, [*engine, "--hold", "window"])
     assert result.exit_code == 0, result.output
     hold = served[0].state.service.hold
-    assert hold.max_in_flight == 8 and hold.hold_s == pytest.approx(0.003)
-    assert runner.invoke(cli, ["serve", "--engine", "http://127.0.0.1:9"]).exit_code == 0
+    assert hold.max_in_flight is None and hold.counts_tokens and hold.hold_s == pytest.approx(0.1)
+    assert runner.invoke(cli, engine).exit_code == 0
     assert served[1].state.service.hold is None
-    assert runner.invoke(cli, ["serve", "--engine", "http://127.0.0.1:9", "--max-in-flight", "1",
-                               "--hold-ms", "30000"]).exit_code == 0
-    assert served[2].state.service.hold.hold_s == pytest.approx(30.0)
-    assert runner.invoke(cli, ["serve", "--engine", "http://127.0.0.1:9", "--hold-fit"]).exit_code == 0
-    assert served[3].state.service.hold.max_in_flight is None and served[3].state.service.hold.counts_tokens
-    for bad in (["--max-in-flight", "0"], ["--max-in-flight", "2", "--hold-ms", "0"],
-                ["--max-in-flight", "2", "--hold-ms", "60001"]):
-        result = runner.invoke(cli, ["serve", "--engine", "http://127.0.0.1:9", *bad])
+    assert runner.invoke(cli, [*engine, "--hold", "pick"]).exit_code == 0
+    assert served[2].state.service.hold.max_in_flight == 1 and served[2].state.service.hold.picks
+    settings = tmp_path / "serve.toml"
+    settings.write_text('[hold]\npolicy = "pick"\nmax_in_flight = 8\ntimeout_ms = 3\n')
+    assert runner.invoke(cli, [*engine, "--config", str(settings), "--hold", "window"]).exit_code == 0
+    hold = served[3].state.service.hold  # the flag overrides the file's policy; the file's bounds stay
+    assert not hold.picks and hold.max_in_flight == 8 and hold.hold_s == pytest.approx(0.003)
+    for bad in (["--hold", "sometimes"], ["--upstream", "http://gw", "--hold", "pick"]):
+        result = runner.invoke(cli, [*engine, *bad])
         assert result.exit_code == 2 and len(served) == 4
 
 
@@ -412,13 +444,13 @@ def _cluster_window():
 
 
 def test_the_hold_planner_is_told_the_fleet_cache_and_plans_a_window_that_outgrows_it_as_a_batch():
-    from cpmemory.server.app import fleet_cache_tokens
+    from cpmemory.server.admission import fleet_cache_tokens
     from cpmemory.server.fit import CacheFit
 
     engines = ["http://engine-0", "http://engine-1"]
     window = _cluster_window()  # about 12 x 220 characters, 660 tokens at 4 characters a token
-    small = create_app(ServerConfig(engines=engines, max_in_flight=1, replica_cache_tokens=100), memory=AsyncCpMemory())
-    unknown = create_app(ServerConfig(engines=engines, max_in_flight=1), memory=AsyncCpMemory())
+    small = create_app(ServerConfig(engines=engines, replica_cache_tokens=100, **admission()), memory=AsyncCpMemory())
+    unknown = create_app(ServerConfig(engines=engines, **admission()), memory=AsyncCpMemory())
     assert fleet_cache_tokens(ServerConfig(engines=engines, replica_cache_tokens=100), None) == 200
     assert fleet_cache_tokens(ServerConfig(engines=engines), None) is None  # the default size is not a reading
     assert fleet_cache_tokens(ServerConfig(engines=engines), CacheFit([300, 500])) == 800  # read from the engines
@@ -433,7 +465,7 @@ def test_the_hold_planner_is_told_the_fleet_cache_and_plans_a_window_that_outgro
     assert [plan.lanes[position] for position in plan.order] == [0, 1] * 6
     plain = unknown.state.service.hold._planner(window, "default")
     assert list(plain.order) == list(range(12)) and set(plain.lanes) == {None}  # arrival order, not split
-    gateway = create_app(ServerConfig(upstream="http://gateway", max_in_flight=1, replica_cache_tokens=100),
+    gateway = create_app(ServerConfig(upstream="http://gateway", replica_cache_tokens=100, **admission()),
                          memory=AsyncCpMemory())  # the gateway places: planned, never split
     assert sorted(gateway.state.service.hold._planner(window, "default")) == list(range(12))
 
@@ -484,7 +516,7 @@ async def test_behind_a_gateway_each_lane_of_a_split_window_is_named_as_its_own_
     transport = GatedTransport(fleet.chat_transport())
     config = ServerConfig(upstream=fleet.urls[0], engines=["http://replica-0", "http://replica-1"],
                           kv_events=["tcp://127.0.0.1:9", "tcp://127.0.0.1:10"], upstream_session=True,
-                          cache_salt=False, max_in_flight=1, hold_ms=1000.0, replica_cache_tokens=150, fit=False)
+                          cache_salt=False, replica_cache_tokens=150, **admission(fit=False))
     app = create_app(config, memory=AsyncCpMemory(), transport=transport)
     client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://proxy", timeout=30)
     hold = app.state.service.hold
@@ -496,10 +528,10 @@ async def test_behind_a_gateway_each_lane_of_a_split_window_is_named_as_its_own_
         held = []
         for count, (name, cluster, n) in enumerate(names, 1):
             held.append(post(cluster_body(name, cluster, n)))
-            for _ in range(2000):
+            for _ in range(20_000):
                 if hold.waiting == count:
                     break
-                await asyncio.sleep(0.001)
+                await asyncio.sleep(0)
         transport.gate.set()
         responses = await asyncio.gather(busy, *held)
         assert [response.status_code for response in responses] == [200] * len(responses)
@@ -550,15 +582,13 @@ async def test_with_the_pick_each_free_replica_takes_the_held_requests_whose_blo
     assert view.cached(infos["busy1"]["replica"], [b.content_hash for b in shown]) == 0
 
 
-def test_the_pick_needs_the_hold_queue_and_the_proxy_s_own_replicas():
-    with pytest.raises(ValueError, match="hold_pick"):
-        ServerConfig(engines=["http://a"], hold_pick=True)
-    with pytest.raises(ValueError, match="hold_pick"):
-        ServerConfig(engines=["http://a"], upstream="http://gw", hold_pick=True, max_in_flight=1)
-    with pytest.raises(ValueError, match="max_in_flight"):  # a token share alone does not make a replica free
-        ServerConfig(engines=["http://a"], hold_pick=True, hold_fit=True)
-    assert ServerConfig(engines=["http://a"], hold_pick=True, max_in_flight=1, hold_fit=True).hold_pick
-    assert ServerConfig(engines=["http://a"], hold_pick=True, max_in_flight=2).hold_pick
+def test_the_pick_needs_the_proxy_s_own_replicas_and_a_count():
+    with pytest.raises(ValueError, match="pick"):
+        ServerConfig(engines=["http://a"], upstream="http://gw", hold=HoldConfig(policy="pick"))
+    # a token share alone does not make a replica free: the pick always has its count (unset: the default, one)
+    assert ServerConfig(engines=["http://a"], hold=HoldConfig(policy="pick", token_bound=True)).hold.settings().max_in_flight == 1
+    assert ServerConfig(engines=["http://a"], hold=HoldConfig(policy="pick", token_bound=True)).hold.policy == "pick"
+    assert ServerConfig(engines=["http://a"], hold=HoldConfig(policy="pick", max_in_flight=2)).hold.policy == "pick"
 
 
 async def test_the_pick_s_view_is_bounded_by_each_replica_s_cache_in_characters(held_proxy):
