@@ -130,3 +130,20 @@ def test_a_store_that_lost_turns_gets_back_those_held_and_those_kept() -> None:
     assert not copy.pending(key)
     copy.give_back(key, back.kept)
     assert copy.pending(key)
+
+
+def test_turns_kept_while_the_store_was_away_follow_the_stored_ones() -> None:
+    store = SwitchStore()
+    memory = CpMemory(store=store)
+    run(memory, "c", 3, resend=False)
+    store.up = False
+    for number in (4, 5):
+        turn = memory.prepare("c", f"question {number}?", DOCS[3:5])
+        assert turn.degraded and turn.turn == number and len(turn.messages) == 2 * number
+        assert memory.commit(turn, f"answer {number}") == number
+    store.up = True
+    after = memory.prepare("c", "question 6?", DOCS[3:5])
+    assert not after.degraded and after.turn == 6
+    assert {d.status for d in after.decisions} == {"referenced"}  # shown in the kept turns, now stored
+    answers = [m["content"] for m in memory.state("c").transcript if m["role"] == "assistant"]
+    assert answers == ["answer 0", "answer 1", "answer 2", "answer 4", "answer 5"]
