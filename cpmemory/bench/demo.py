@@ -175,8 +175,7 @@ def _table(figures: dict[str, Any]) -> Any:
     )
     for title, key, fmt in rows:
         table.add_row(title, *(fmt(column[key]) for column in columns))
-    table.caption = (f"in brackets: against plain; the last rows do not depend on the cache (tight cache's runs); "
-                     f"{figures['seconds']} s")
+    table.caption = f"in brackets: against plain; the last rows do not depend on the cache; {figures['seconds']} s"
     return table
 
 
