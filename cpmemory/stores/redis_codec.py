@@ -61,10 +61,15 @@ class RedisStoreConfig(BaseModel):
     def _valid_prefix(cls, value: str) -> str:
         return check_prefix(value)
 
-    def client_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments for a redis-py client honouring the timeouts and retries above."""
+    def client_kwargs(self, *, asyncio: bool = False) -> dict[str, Any]:
+        """Keyword arguments for a redis-py client honouring the timeouts and retries above (``asyncio``: for a
+        ``redis.asyncio`` client, which takes its own ``Retry``)."""
         from redis.backoff import NoBackoff
-        from redis.retry import Retry
+
+        if asyncio:
+            from redis.asyncio.retry import Retry
+        else:
+            from redis.retry import Retry  # type: ignore[assignment]
 
         return {
             "socket_timeout": self.socket_timeout_s,

@@ -246,7 +246,7 @@ class AsyncRedisSessionStore(_RedisStoreBase):
         except ImportError as error:  # pragma: no cover - depends on the environment
             raise MissingDependencyError("redis", "redis") from error
         factory = RedisCluster.from_url if cluster else aioredis.Redis.from_url
-        return cls(factory(url, **config.client_kwargs()), config)
+        return cls(factory(url, **config.client_kwargs(asyncio=True)), config)
 
     def __init__(self, client: Any, config: RedisStoreConfig | None = None) -> None:
         super().__init__(client, config)

@@ -47,6 +47,7 @@ async def test_turns_through_the_proxy_on_a_cluster_are_recorded(redis_cluster, 
         assert not any(info["degraded"] for info in infos) and all(info["committed"] for info in infos)
         assert {d["status"] for d in infos[2]["decisions"]} == {"referenced"}
         assert (await client.get("/readyz")).json()["store"] == "ok"
+        assert app.state.service.salts.resolved  # the cache-salt secret is kept in the cluster, shared by workers
     await transport.aclose()
 
 
