@@ -142,7 +142,7 @@ class FacadeCore:
         local = self._recent.history(turn_input.key, self.config.max_history_turns)
         known = local.messages if local.known else None
         outcome, planned = reconcile(turn_input, known, local.start, local.turns)
-        use_local = planned.given_history is None and local.known
+        use_local = planned.given_history is None  # what is held (an unknown conversation: its outage turns)
         turn = degraded_turn(planned, self.config, local.messages if use_local else None,
                              local.turns + 1 if local.known else 0)
         if budget is not None:

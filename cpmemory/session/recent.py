@@ -54,8 +54,9 @@ def _chars(messages: Sequence[Message]) -> int:
 
 @dataclass(frozen=True, slots=True)
 class LocalHistory:
-    """What a turn sent during an outage gets: the history messages, the committed turns before it, and whether the
-    conversation's earlier turns are known here."""
+    """What a turn sent during an outage gets: the history messages held (for a conversation first seen during the
+    outage, its turns since), the committed turns before it, and whether the conversation's earlier turns are known
+    here (else its turns are not numbered)."""
 
     messages: tuple[Message, ...]
     turns: int

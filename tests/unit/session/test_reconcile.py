@@ -147,3 +147,14 @@ def test_turns_kept_while_the_store_was_away_follow_the_stored_ones() -> None:
     assert {d.status for d in after.decisions} == {"referenced"}  # shown in the kept turns, now stored
     answers = [m["content"] for m in memory.state("c").transcript if m["role"] == "assistant"]
     assert answers == ["answer 0", "answer 1", "answer 2", "answer 4", "answer 5"]
+
+
+def test_a_conversation_first_seen_during_an_outage_keeps_its_outage_turns() -> None:
+    store = SwitchStore()
+    store.up = False
+    memory = CpMemory(store=store)
+    first = memory.prepare("new", "question 0?", DOCS[:2])
+    assert first.degraded and first.turn == 0 and memory.commit(first, "answer 0") == 0
+    second = memory.prepare("new", "question 1?", DOCS[:2])
+    assert second.degraded and second.messages[1:3] == [{"role": "user", "content": first.user_message},
+                                                        {"role": "assistant", "content": "answer 0"}]
