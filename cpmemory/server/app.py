@@ -17,7 +17,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 from typing import Any
 
@@ -135,49 +135,8 @@ def create_app(
     find_tokenizer = config.tokenizer == AUTO_TOKENIZER and asked is not None and bool(
         config.prompt_budget or config.kv_events)
 
-    @contextlib.asynccontextmanager
-    async def lifespan(_: Any) -> AsyncIterator[None]:
-        import cpmemory.core.index  # noqa: F401 - warm the index code now, not on the first request
-
-        stop = asyncio.Event()
-        probe = asyncio.create_task(dispatcher.probe_forever(stop))
-        sizing = asyncio.create_task(size_fit(service.fit, config)) if service.fit is not None else None
-        # the engine's limits asked now, not by the first burst's requests (EngineBudget.warm)
-        warming = asyncio.create_task(service.engine_budget.warm()) if service.engine_budget is not None else None
-        if config.kv_events:
-            from cpmemory.server.kv_sync import KVSyncHub
-
-            event_view = router.view if isinstance(router.view, EventPrefixView) else None
-            if config.attributes_gateway:  # attribution only: the gateway routes
-                event_view = EventPrefixView(len(config.engines))
-            service.kv_sync = KVSyncHub(service.memory, config.engines, config.kv_events, event_view, tokenizer)
-            await service.kv_sync.start()
-        finder = asyncio.create_task(adopt_engine_tokenizer(service, asked)) if find_tokenizer else None
-        try:
-            yield
-        finally:
-            stop.set()
-            await probe
-            if finder is not None:
-                finder.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await finder
-            if warming is not None:
-                warming.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await warming
-            if sizing is not None:
-                sizing.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await sizing
-            if service.kv_sync is not None:
-                await service.kv_sync.stop()
-            # close only what the app made: a caller's transport or memory may outlive this app
-            if owns_transport:
-                await dispatcher.transport.aclose()
-            if owns_memory:
-                await close_store(service.memory)
-
+    lifespan = serving_tasks(config, service, tokenizer=tokenizer, asked=asked if find_tokenizer else None,
+                             owns_transport=owns_transport, owns_memory=owns_memory)
     app = FastAPI(title="cpmemory proxy", version=__version__, lifespan=lifespan)
     app.state.service = service
     install_error_handlers(app)
@@ -186,6 +145,53 @@ def create_app(
     return app
 
 
+def serving_tasks(config: ServerConfig, service: ProxyService, *, tokenizer: Any, asked: AsyncEngineClient | None,
+                  owns_transport: bool, owns_memory: bool) -> Callable[[Any], Any]:
+    """The app's lifespan: while it serves, the replicas are probed, the caches sized (cache-fit admission), the
+    engine's limits asked (the prompt budget), the KV events followed and, with ``asked``, the engine's tokenizer
+    looked for; at the end every task stops and what the app made (``owns_*``) is closed."""
+    dispatcher = service.dispatcher
+    router = dispatcher.router
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: Any) -> AsyncIterator[None]:
+        import cpmemory.core.index  # noqa: F401 - warm the index code now, not on the first request
+
+        stop = asyncio.Event()
+        probe = asyncio.create_task(dispatcher.probe_forever(stop))
+        tasks: list[asyncio.Task[Any]] = []
+        if service.fit is not None:
+            tasks.append(asyncio.create_task(size_fit(service.fit, config)))
+        if service.engine_budget is not None:  # the engine's limits asked now, not by the first burst's requests
+            tasks.append(asyncio.create_task(service.engine_budget.warm()))
+        if config.kv_events:
+            from cpmemory.server.kv_sync import KVSyncHub
+
+            event_view = router.view if isinstance(router.view, EventPrefixView) else None
+            if config.attributes_gateway:  # attribution only: the gateway routes
+                event_view = EventPrefixView(len(config.engines))
+            service.kv_sync = KVSyncHub(service.memory, config.engines, config.kv_events, event_view, tokenizer)
+            await service.kv_sync.start()
+        if asked is not None:
+            tasks.append(asyncio.create_task(adopt_engine_tokenizer(service, asked)))
+        try:
+            yield
+        finally:
+            stop.set()
+            await probe
+            for task in tasks:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+            if service.kv_sync is not None:
+                await service.kv_sync.stop()
+            # close only what the app made: a caller's transport or memory may outlive this app
+            if owns_transport:
+                await dispatcher.transport.aclose()
+            if owns_memory:
+                await close_store(service.memory)
+
+    return lifespan
 
 
 def _install_routes(app: Any, service: ProxyService, resolve_tenant: TenantResolver) -> None:
