@@ -9,6 +9,7 @@ the sync path needs a sync facade; the async path awaits an async one or runs a 
 from __future__ import annotations
 
 import inspect
+import sys
 import warnings
 from collections.abc import Mapping
 from typing import Any
@@ -43,6 +44,16 @@ class SharedPendingTurns(PendingTurns):
         self.prompt_attached = False
 
 
+def _user_stacklevel() -> int:
+    """The ``stacklevel`` of the first frame outside LangChain and this package (where the user called)."""
+    frame, level = sys._getframe(1), 1
+    while frame.f_back is not None and str(frame.f_globals.get("__name__", "")).startswith(
+        ("langchain_core", "langchain_cpmemory")
+    ):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
 def warn_no_prompt(owner: str) -> None:
     """Warn (the caller warns once) that a retriever's turns reach no cpmemory prompt: nothing is de-duplicated."""
     warnings.warn(
@@ -50,7 +61,7 @@ def warn_no_prompt(owner: str) -> None:
         "own shows every document in full, so nothing is de-duplicated. Build the messages with retriever.prompt() "
         "and record the answer with retriever.committer() (or retriever.commit). Warned once per retriever.",
         NoPromptWarning,
-        stacklevel=4,
+        stacklevel=_user_stacklevel(),
     )
 
 
