@@ -220,4 +220,7 @@ def command(
     else:
         from rich.console import Console
 
-        Console().print(_table(report))
+        console = Console()
+        if not console.is_terminal:  # a file or a pipe: the whole table, not squeezed to 80 columns
+            console = Console(width=200)
+        console.print(_table(report))
