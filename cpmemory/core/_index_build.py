@@ -4,8 +4,8 @@ Two clusterings, chosen by the number of distinct contexts ``n``:
 
 * ``n <= exact_limit`` (default 2,048): the paper's build. The full condensed distance matrix
   (:func:`~cpmemory.core.distance.condensed_distances`) goes to scipy ``linkage(method="average")``.
-  Exact, O(n^2) memory. (On the 2-core reference machine scipy's average linkage alone takes ~11 s at n = 12,000,
-  which is why larger batches take the sparse route.)
+  Exact, O(n^2) memory. (scipy's average linkage alone grows too slow for the larger batches, which is why they
+  take the sparse route.)
 * ``n > exact_limit``: **sparse average linkage** over a candidate graph. Candidate pairs are the pairs of contexts
   that share at least one *selective* block: blocks whose document frequency is at most a cap chosen so that the
   candidate pairs fit a budget (``pair_budget_per_context * n``). Each candidate pair gets its exact distance

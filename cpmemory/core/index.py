@@ -93,8 +93,8 @@ class BuildReport:
 def _collector_paused() -> Iterator[None]:
     """Pause Python's cyclic garbage collector while the batch build allocates its tree (restored after).
 
-    The build creates hundreds of thousands of linked nodes; generation scans over them cost ~25% of the build and
-    free nothing (every node stays referenced). The collector's previous state is restored, even on error.
+    The build creates hundreds of thousands of linked nodes; generation scans over them cost a large share of the build
+    and free nothing (every node stays referenced). The collector's previous state is restored, even on error.
     """
     was_enabled = gc.isenabled()
     gc.disable()

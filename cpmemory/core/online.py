@@ -49,8 +49,8 @@ POSTING_LENGTH = 16
 TAIL_SMOOTHING = 0.1
 """Weight of the newest prompt in the running mean of the prompts' own tails (:meth:`OnlineOrderer.note_tail`)."""
 WINDOW_RATCHET_STEPS = 0
-"""Local-search ratchet rounds of the batch plan of a window that outgrows the cache (``plan_window``): 4 (the
-offline default) measured 0.009 more gain share on synthetic at W=32 for about 4x the planning time."""
+"""Local-search ratchet rounds of the batch plan of a window that outgrows the cache (``plan_window``): the offline
+default's rounds gain little share for several times the planning time, which the window cannot wait for."""
 
 
 class _TrieNode:
@@ -209,8 +209,8 @@ class OnlineOrderer:
           arrival order; each is ordered as at W=1 against the trie with the earlier ones of the window tentatively
           recorded, and its co-occurrence extension already sees the later requests of its window that hold its
           blocks, so they can reuse its prefix. (Running the request with the most cached first, LPM on the trie,
-          measured no better at W=32 on MultiHop-RAG and 1 point worse on synthetic at 20%; putting the blocks
-          later waiting requests hold first measured 2.8 points worse on LoCoMo at W=32.)
+          and putting first the blocks later waiting requests hold were tried and not kept: neither gained, and
+          the second lost share on LoCoMo; docs/decisions.md.)
         * **the window outgrows the cache**: two candidate plans, the online orders in arrival order (as above) and
           the batch plan (:func:`cpmemory.core.planner.plan_batch` over the window alone, block orders and a
           depth-first schedule, its requests sharing prefixes among themselves but blind to what is cached), and
@@ -218,20 +218,19 @@ class OnlineOrderer:
           (:meth:`cached_estimate`; a tie keeps the online orders, which also build the trunks later windows
           reuse). The model starts from the trie's most recently used nodes up to ``capacity`` and charges each
           prompt its own tail besides its blocks (:meth:`note_tail`, the question and template), which a window
-          in arrival order evicts its own early prefixes with. Measured at 20% (``cpmemory_benchmarks.studies.window_sweep``,
-          gain share; before: the batch plan for every such window): MultiHop-RAG W=48 0.473 -> 0.526, W=64
-          0.497 -> 0.525 (above online ``popularity`` now: 42.45% vs 41.38%, 42.41% vs 41.90% hit), W=96
-          0.553 -> 0.546, W=128 0.637 (same); LoCoMo W=96 0.657 -> 0.697, W=128 0.764 -> 0.768; synthetic the
-          same (its windows take the batch plan). Without the tail the model holds about 1.5 x the MultiHop-RAG
-          prompts the cache does and keeps the online orders where the batch plan wins (W=128 0.599).
+          in arrival order evicts its own early prefixes with. Choosing between the two beats taking the batch plan
+          for every such window on LoCoMo and at most window sizes on MultiHop-RAG, and matches it on synthetic,
+          whose windows take the batch plan (``cpmemory_benchmarks.studies.window_sweep``; figures in
+          docs/decisions.md). Without the tail the model overestimates what the cache holds and keeps the online
+          orders where the batch plan wins.
 
         Args:
             capacity: what the engine's prefix cache holds, in the unit of ``sizes`` (None: unknown, the first
                 plan).
 
         O(W * (match + extension)) when the window fits; else that plus ``plan_batch`` over W requests (no
-        local-search ratchet: ``WINDOW_RATCHET_STEPS``), about 15-40 ms for 32 requests of 15 blocks, and the cache
-        model twice (``O(W * k)`` plus the cached nodes, ``O(n log n)`` for ``n`` nodes that fit ``capacity``).
+        local-search ratchet: ``WINDOW_RATCHET_STEPS``), and the cache model twice (``O(W * k)`` plus the cached
+        nodes, ``O(n log n)`` for ``n`` nodes that fit ``capacity``).
         """
         if len(contexts) != len(sizes):
             raise InvalidInputError("plan_window needs one size list per context")

@@ -19,7 +19,8 @@ The planner builds both, plus the retrieval order and a popularity sort as fallb
 saves most tokens, computed exactly from the orders (sum of token-weighted common prefixes of lexicographic
 neighbours). It then improves that trie by local search (:mod:`cpmemory.core.planner_search`: subtree
 prune-and-regraft moves with a perturbation ratchet), which only ever raises the tokens saved; on sampled sub-batches
-of 8-12 requests the result is within 0.2% of the exact optimum (``cpmemory_benchmarks.studies.planner_ceiling``). This is a choice by the objective, not by workload; with an unbounded cache the reuse of a set of
+small enough to solve exactly the result comes close to the optimum (``cpmemory_benchmarks.studies.planner_ceiling``).
+This is a choice by the objective, not by workload; with an unbounded cache the reuse of a set of
 orders does not depend on the schedule, and the lexicographic schedule attains it under any cache holding one
 prompt, so the plan never reuses fewer block tokens than retrieval order or a popularity sort would.
 
@@ -35,7 +36,7 @@ Only first turns are reordered; later turns keep their block order (no other ses
 
 Pure (no IO, no state) and deterministic. Cost: one sparse matrix product plus O(P log P) for P candidate pairs
 (16 per request), O(R * K * depth) for the split, and O(R^2 K) numpy work per search pass, for R requests of K
-blocks per group of connected requests: ~10 s for 2,000 x 15 with ``ratchet_steps=0``, longer with the ratchet.
+blocks per group of connected requests; the ratchet multiplies the search passes.
 """
 
 from __future__ import annotations
@@ -59,8 +60,8 @@ from cpmemory.types import BatchPlan
 Context = Sequence[Hashable]
 LARGE_BATCH = 5_000
 """Above this many planning units the core tree (pairwise overlaps) and the local search (quadratic per group)
-are skipped: the split, retrieval order and popularity candidates scale as O(R K log R) (100,000 x 15 in well
-under a minute); at or below it the plan is exactly the full planner's."""
+are skipped: the split, retrieval order and popularity candidates scale as O(R K log R); at or below it the
+plan is exactly the full planner's."""
 
 
 def trie_savings(

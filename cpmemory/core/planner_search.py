@@ -19,7 +19,7 @@ true weights, climbs again, and keeps the tree only if it beats the best so far.
 
 Sizes: a tree of R requests has 2R - 1 nodes; each SPR evaluation gathers the subtree core's columns (at most K
 blocks) of the node x block core matrix, O(R K), plus O(R) for the path sums, so a pass over all subtrees is
-O(R^2 K) numpy work: about a second for 2,000 x 15. Requests that share no block with each other are planned apart
+O(R^2 K) numpy work. Requests that share no block with each other are planned apart
 (connected components), which keeps R small on multi-tenant or multi-conversation batches.
 """
 

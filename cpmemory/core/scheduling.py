@@ -16,8 +16,7 @@ cold prompt), a unit's requests keep their order (its head computes the prefix t
 
 Why contiguous runs: in a depth-first schedule the requests sharing a prefix are adjacent, so a cut costs only the
 prefix shared across it, which the split charges to the run it starts. Dealing out whole units instead (the prefix
-router following each unit's first call) measured 41 / 23 questions a replica on a burst of 64 LoCoMo questions,
-whose largest unit held 21 of them (docs/bench-serve.md).
+router following each unit's first call) leaves the replicas uneven whenever one unit is large (docs/decisions.md).
 """
 
 from __future__ import annotations
@@ -91,7 +90,7 @@ def split_lanes(orders: Sequence[Sequence[Hashable]], sizes: Mapping[Hashable, f
     The cut points minimise the largest lane's work (then the total: a cut inside a unit is taken only when it
     evens the lanes); each lane's units then go in ascending work per request, a unit's requests in their order.
     Lanes may be empty (fewer requests than lanes). Deterministic. Pure; O(lanes * W^2) for W requests (numpy
-    over the cut points: 2 ms at W = 64 and 2 lanes, 0.13 s at W = 512 and 8) plus O(total blocks).
+    over the cut points) plus O(total blocks).
 
     Args:
         orders: each request's block order, in the planned run order.
