@@ -40,7 +40,7 @@ class RedisStoreConfig(BaseModel):
         socket_timeout_s: per-command socket timeout of clients built by ``from_url`` / :meth:`client_kwargs`;
             past it the call fails with StoreUnavailableError and the facade serves the turn pass-through.
         connect_timeout_s: connect timeout of those clients (a refused connection fails at once; this bounds a
-            black-holed host, and must leave room for a burst of new connections on a busy machine).
+            black-holed host, and must leave room for a burst of new connections on a busy server).
         retries: redis-py retries of those clients; the direct runner retries a ``ConnectionError`` this many
             times, at least once (a stale pooled socket after a server restart).
         max_transcript_turns: turns kept per conversation; commit trims older ones in the same script, with the
@@ -106,7 +106,8 @@ def _encode_seen(label: str, block_id: str) -> bytes:
 
 
 # A seen entry never changes once written (a later showing writes a new value), and a conversation's later turns
-# read mostly the same ones: decoded entries are cached (~3 us each otherwise, 10 per later turn of the bench).
+# read mostly the same ones: decoded entries are cached (decoding on every turn shows
+# on the hot path).
 @functools.lru_cache(maxsize=16_384)
 def _decode_seen(content_hash: str, raw: bytes | str) -> SeenBlock:
     data = raw.encode("utf-8", "surrogatepass") if isinstance(raw, str) else raw
@@ -184,7 +185,7 @@ class RedisSessionCodec:
         for (block_id, content_hash), seen_value, previous_hash in zip(request.blocks, seen_values, previous_values):
             if seen_value is not None and content_hash not in seen:
                 seen[content_hash] = _decode_seen(content_hash, seen_value)
-            if previous_hash is not None:  # decode_text, inline (15 calls a turn)
+            if previous_hash is not None:  # decode_text, inline (once per block, every turn)
                 previous[block_id] = (previous_hash if isinstance(previous_hash, str)
                                       else previous_hash.decode("utf-8", "surrogatepass"))
         transcript = None
