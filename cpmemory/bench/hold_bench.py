@@ -115,7 +115,7 @@ async def run_once(requests: Sequence[TraceRequest], settings: Mapping[str, Any]
     fleet = MockFleet(settings["replicas"], block_size=MOCK_BLOCK_SIZE, capacity_blocks=settings["capacity_blocks"])
     transport = PacedTransport(fleet.chat_transport(), settings["slots"], settings["service_ms"] / 1000.0)
     hold_ms = configuration["hold_ms"]
-    extra = {} if hold_ms is None else {"hold": {"policy": "window", "max_in_flight": settings["slots"],
+    extra: dict[str, Any] = {} if hold_ms is None else {"hold": {"policy": "window", "max_in_flight": settings["slots"],
                                                  "token_bound": False, "timeout_ms": hold_ms}}
     # the proxy knows each replica's cache, as it reads it from vLLM's /metrics: in its unit of 4 characters a
     # token (the mock counts a byte a token), for the router's sent view and the hold planner's model of the cache
