@@ -33,8 +33,9 @@ def describe_prompt(engine: MockEngine) -> Any:
     def reply(body: Mapping[str, Any]) -> str:
         messages = body.get("messages") or []
         tokens = len(engine.tokenize(render_chatml(messages)))
-        return (f"This is the mock engine's answer (no model runs here): the prompt had {len(messages)} messages "
-                f"and {tokens} tokens.")
+        plural = "" if len(messages) == 1 else "s"
+        return (f"This is the mock engine's answer (no model runs here): the prompt had {len(messages)} "
+                f"message{plural} and {tokens} tokens.")
 
     return reply
 

@@ -25,3 +25,14 @@ def test_passwords_are_hidden_in_what_is_printed() -> None:
     assert redacted("redis://:secret@h:1/0") == "redis://:***@h:1/0"
     assert redacted("redis+cluster://user:secret@h:7000") == "redis+cluster://user:***@h:7000"
     assert redacted("redis://h:1/0") == "redis://h:1/0"
+
+
+def test_the_start_line_names_address_engines_store_and_policies_without_the_password() -> None:
+    from cpmemory.server.config import ServerConfig
+    from cpmemory.server.launch import start_line
+
+    line = start_line(ServerConfig(engines=["http://e0:8000", "http://e1:8000"],
+                                   redis_url="redis+cluster://:hunter2hunter2@r:7000"), "0.0.0.0", 9000)
+    assert line.startswith("cpmemory proxy listening on http://0.0.0.0:9000")
+    assert "engines http://e0:8000, http://e1:8000" in line and "Redis Cluster redis+cluster://:***@r:7000" in line
+    assert "hunter2" not in line and "router prefix" in line and "\n" not in line
