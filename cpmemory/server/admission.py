@@ -16,7 +16,7 @@ from cpmemory.server.config import ServerConfig
 from cpmemory.server.fit import CacheFit, FitSettings
 from cpmemory.server.hold import HoldQueue, Planner
 from cpmemory.server.metrics import ProxyMetrics
-from cpmemory.server.pick import SentOrders
+from cpmemory.server.pick import PickRelease, SentOrders
 from cpmemory.server.service import ProxyService, TurnMemory
 
 logger = logging.getLogger(__name__)
@@ -61,10 +61,11 @@ def build_hold(config: ServerConfig, memory: TurnMemory, router: Router, metrics
     if settings is None:
         return None
     planner = build_planner(config, memory, router, cache_tokens)
-    pick = None if sent_orders is None or planner is None else sent_orders.cached
+    policy = None if sent_orders is None or planner is None else PickRelease(sent_orders.cached,
+                                                                              router.healthy_indices)
     return HoldQueue(settings.max_in_flight, settings.timeout_s, replicas=router.healthy_count,
                      token_budget=cache_tokens if settings.token_bound else None, planner=planner, observer=metrics,
-                     pick=pick, healthy=router.healthy_indices)
+                     policy=policy)
 
 
 def build_sent_orders(config: ServerConfig, service: ProxyService) -> SentOrders | None:

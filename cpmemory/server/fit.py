@@ -59,13 +59,19 @@ import contextlib
 import logging
 from collections import OrderedDict, deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from dataclasses import dataclass
 
 from cpmemory.server.clock import Clock, LoopClock, Timer
-
-FitReason = Literal["first", "live", "resumed", "moved", "room", "timeout"]
-FIT_REASONS: tuple[FitReason, ...] = ("first", "live", "resumed", "moved", "room", "timeout")
+from cpmemory.server.fit_slot import (  # noqa: F401 - an admitted turn's slot and header, re-exported
+    FIT_HEADER,
+    FIT_REASONS,
+    UNGATED,
+    FitObserver,
+    FitReason,
+    FitSlot,
+    NullFitObserver,
+    parse_fit_header,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -111,30 +117,6 @@ class FitSettings:
     move: bool = True
 
 
-class FitObserver(Protocol):
-    """What admission reports (the proxy's metrics implement it)."""
-
-    def fit_admitted(self, reason: FitReason, waited_s: float) -> None:
-        """A turn was admitted: why, and how long it waited."""
-
-    def fit_waiting(self, waiting: int) -> None:
-        """The number of turns waiting changed."""
-
-    def fit_idle_window(self, seconds: float) -> None:
-        """The idle window (:meth:`CacheFit.idle_window_s`) after a continuation gap was seen."""
-
-
-class _NullObserver:
-    def fit_admitted(self, reason: FitReason, waited_s: float) -> None:
-        pass
-
-    def fit_waiting(self, waiting: int) -> None:
-        pass
-
-    def fit_idle_window(self, seconds: float) -> None:
-        pass
-
-
 @dataclass(slots=True)
 class _Live:
     replica: int
@@ -157,49 +139,6 @@ class _Waiter:
     timer: Timer | None = None
 
 
-@dataclass(slots=True)
-class FitSlot:
-    """One admitted turn: the replica it goes to; ``end`` (exactly once, idempotent) when its engine call ended."""
-
-    admission: CacheFit | None
-    key: str
-    replica: int
-    reason: FitReason
-    waited_s: float
-    chars: int = 0
-    _ended: bool = field(default=False, repr=False)
-
-    def end(self, replica: int | None = None, prompt_tokens: int | None = None, answer_tokens: int = 0) -> None:
-        """The turn's engine call ended on ``replica`` (None: the admitted one), with the engine's usage when known."""
-        if self._ended or self.admission is None:
-            return
-        self._ended = True
-        self.admission._end(self, replica, prompt_tokens, answer_tokens)
-
-    def header(self) -> str:
-        """The ``X-Cpmemory-Fit`` value of this turn: ``REASON; wait_ms=W`` (read back by ``parse_fit_header``)."""
-        return f"{self.reason}; wait_ms={1000.0 * self.waited_s:.1f}"
-
-
-UNGATED = FitSlot(None, "", -1, "live", 0.0)
-"""The slot of a turn that admission does not gate (off, or behind a gateway without known capacity)."""
-
-FIT_HEADER = "X-Cpmemory-Fit"
-"""The streamed response's header naming the reason and wait of a turn that admission gated (absent otherwise)."""
-
-
-def parse_fit_header(value: str | None) -> tuple[str, float] | None:
-    """``REASON; wait_ms=W`` (``FitSlot.header``) as (reason, W); None when absent or not in that form. Pure."""
-    if not value:
-        return None
-    reason, _, rest = value.partition(";")
-    key, _, number = rest.strip().partition("=")
-    try:
-        return (reason.strip(), float(number)) if key == "wait_ms" else None
-    except ValueError:
-        return None
-
-
 class CacheFit:
     """Per-replica admission of conversations by the KV cache their histories need (see the module)."""
 
@@ -220,7 +159,7 @@ class CacheFit:
         self.max_wait_s = settings.max_wait_s
         self._quiet_since: dict[int, float] = {}  # replica -> when its last turn in flight ended
         self._clock: Clock = clock or LoopClock()
-        self._observer = observer or _NullObserver()
+        self._observer = observer or NullFitObserver()
         self._live: dict[str, _Live] = {}
         self._waiters: deque[_Waiter] = deque()
         self._timer: Timer | None = None
@@ -326,10 +265,9 @@ class CacheFit:
         or more sets it; later ones, and shorter prompts, change nothing (the answers' usage moves it from then on,
         :meth:`_learn`).
 
-        Why: the default, about four characters a token, can be far off (the bench model's tokenizer takes 2.7 on
-        LoCoMo), and moved a fifth of the way per answer the estimate took ten answers to get near; meanwhile the
-        hold's token bound (``--hold-fit``) let a burst's first requests in by the default, a third more prompt
-        tokens than the caches hold, and sent them unplanned."""
+        Why: the default, about four characters a token, can be far off for a given tokenizer, and moved a fifth of
+        the way per answer the estimate takes many answers to get near; meanwhile the hold's token bound would let a
+        burst's first requests in by the default, more prompt tokens than the caches hold, unplanned."""
         if self._calibrated or chars < CALIBRATION_MIN_CHARS or tokens <= 0:
             return
         self.tokens_per_char = tokens / chars

@@ -1,5 +1,5 @@
-"""The proxy's hold-and-release queue: while the replicas are full, arriving requests wait a few milliseconds and
-are released together, in the window planner's order.
+"""The proxy's hold queue: while the replicas are full, arriving requests wait and are released in the window
+planner's order, by one of two policies (``--hold window|pick``; ``off``: no queue).
 
 ::
 
@@ -7,93 +7,63 @@ are released together, in the window planner's order.
                    │
                    └── full, or others already wait ──► held (at most hold_s)
                                                           │
-              a request ends and frees room ──────────────┤──► release every held request ("slot")
+              a request ends and frees room ──────────────┤──► release by the policy ("slot")
               the oldest held request waited hold_s ──────┘    ("timeout"), in the planner's order
 
-A replica that already runs as many requests as it can (``max_in_flight``, e.g. vLLM's ``--max-num-seqs``) would
-only queue the next ones, first come first served. Holding them in the proxy instead costs at most ``hold_s`` and
-lets the facade's window planner (``CpMemory.release_order``) order the waiting requests *together*: a request's
-blocks that later waiting requests also hold go first, so those reuse its prefix. The held requests are prepared
-(their block order decided) only after their release, which is why the queue sits before ``prepare``.
+A replica that already runs as many requests as it can would only queue the next ones, first come first served.
+Holding them in the proxy instead costs at most ``hold_s`` and lets the facade's window planner
+(``CpMemory.release_order``) order the waiting requests *together*: a request's blocks that later waiting requests
+also hold go first, so those reuse its prefix. The held requests are prepared (their block order decided) only after
+their release, which is why the queue sits before ``prepare``.
 
 What the queue counts: requests admitted (immediately or by a release) whose engine call has not ended
-(:meth:`Admission.done`). The replica a request runs on is chosen by the router *after* it is prepared (its prompt
-decides the prefix score), so the queue cannot know it in advance: it compares the proxy's admitted requests with
-``max_in_flight`` times the healthy replicas (one target behind a gateway: the bound is then the fleet's).
+(:meth:`Admission.done`). The bound is a count of requests (``max_in_flight`` per healthy replica: the replica a
+request runs on is chosen by the router *after* it is prepared, so the queue compares the proxy's admitted requests
+with ``max_in_flight`` times the healthy replicas), a count of tokens (``token_budget``: what the fleet's KV caches
+hold, each request counted by its estimated prompt tokens), or both. vLLM runs a request while its KV blocks fit and
+queues it otherwise; with prompts of thousands of tokens that, not ``--max-num-seqs``, is what a replica runs at
+once, so the token bound holds exactly the requests an engine would have queued, without a setting the user must
+find. It overestimates a window whose requests share prefixes (vLLM keeps one copy of a shared block); one request
+always runs.
 
-A release hands out *every* held request, even past the bound: the hold is a short gathering window, not a second
-engine queue (the engine still queues what it cannot run, now in the planner's order). Nothing is ever lost or
-starved: a held request waits at most ``hold_s`` (plus the loop's latency); one whose waiter is cancelled (the
-client went away) is removed, and one cancelled just after its release gives its slot back. The planner failing
-(or missing) releases the window first come first served.
+The policies (:class:`ReleasePolicy`):
 
-The engine queues a window in the order its requests *reach* it. Released at once, they are prepared and open their
-connections side by side, and reach the engine in whatever order that took (measured on two vLLM replicas: a window
-of 60 planned LoCoMo questions cached 36% of its prompt tokens, where the same plan in a simulator of the engine's
-cache caches 54%). So each released request waits (``Admission.in_turn``) until the one before it in the window
-was sent (``Admission.sent``: the engine accepted the call), at most ``SEND_TURN_S`` from the moment that one's own
-turn came, and the engine queues the window in the planned order. (Counted from its own release instead, the limit
-let every request after the first second of sends go at once: 13-41 of a 62-request window, measured.)
+* **window** (:class:`WindowRelease`): a release hands out *every* held request, even past the bound: the hold is a
+  short gathering window, not a second engine queue (the engine still queues what it cannot run, now in the
+  planner's order). A window that outgrows the replicas' caches is *split* when the planner returns a
+  :class:`~cpmemory.core.scheduling.ReleasePlan` with lanes: one contiguous run of the planned order per replica
+  (cpmemory.server.release sends each run in its order).
+* **pick** (:class:`~cpmemory.server.pick.PickRelease`): a replica with room takes one held request at a time.
 
-The bound is a count of requests (``max_in_flight`` per healthy replica, what one replica runs at once), a count of
-tokens (``token_budget``: what the fleet's KV caches hold, each request counted by its estimated prompt tokens), or
-both. vLLM runs a request while its KV blocks fit and queues it otherwise; with prompts of thousands of tokens that,
-not ``--max-num-seqs``, is what a replica runs at once (two caches of 17,408 tokens run three 5,800-token LoCoMo
-prompts each). The proxy cannot read ``max_num_seqs`` but reads each engine's cache size, so the token bound holds
-exactly the requests an engine would have queued without a setting the user must find. It overestimates a window
-whose requests share prefixes (vLLM keeps one copy of a shared block): such requests wait for a release where the
-engine might have run them, as they would under a count set too low; one request always runs.
-
-A window that outgrows the replicas' caches is also *split* when the planner returns a
-:class:`~cpmemory.core.scheduling.ReleasePlan` with lanes (``CpMemory.release_plan``): one contiguous run of the
-planned order per replica, even in prefill work, each run in shortest-mean-work order. Each released request then
-carries its lane (``Admission.lane``) and the release's :class:`LaneMap`: the first request of a lane to be routed
-takes the router's choice among the replicas no other lane of its release holds, and the lane's later requests go
-to that replica. Left to the router one by one, a burst of 64 LoCoMo questions went 41 / 23 to two replicas (its
-prefix scores follow each unit's first call and its load bound counts calls, not work). Behind a gateway that keeps
-a named session on one replica (``upstream_session``, with the replicas' KV events naming how many there are), each
-lane is named to it as a session of its own instead.
-
-**Pick per free replica** (``pick``, ``--hold-pick``): instead of handing out the whole window, a replica with room
-(``max_in_flight`` a replica, and its share of ``token_budget``) takes *one* held request: first one of the plan
-lane that replica already runs (a split plan's contiguous run for one replica stays there, in its order), then the
-one whose planned block order finds the longest prefix in what the proxy sent that replica (``pick(replica,
-order)``, :class:`~cpmemory.server.pick.SentOrders`), then the plans' order. Requests held since the last plan are
-planned together (their block orders, lanes and order) when a replica has room, so arrivals join one plan until
-then. Each picked request carries a lane map that names its replica, so
-the service sends it there. A request is held at most ``hold_s``: those that waited that long are released
-together as a window (planned, and split when it outgrows the caches), as without the pick.
-Why: a window released whole queues in the engines in the order planned at its release and the arrivals meanwhile
-wait for the next window; picked one at a time, a request is placed when its replica can run it, against what that
-replica just computed, with every arrival so far among the choices (``scripts/hold_model.py``). Use from one event
-loop.
+Nothing is ever lost or starved: a held request waits at most ``hold_s`` (plus the loop's latency); one whose waiter
+is cancelled (the client went away) is removed, and one cancelled just after its release gives its slot back. The
+planner failing (or missing) releases the window first come first served. Time and timers come from a
+:class:`~cpmemory.server.clock.Clock`. Use from one event loop.
 """
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-import uuid
-from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable, Hashable, Sequence
-from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
 
 from cpmemory.core.blocks import Block
 from cpmemory.core.scheduling import ReleasePlan
 from cpmemory.server.clock import Clock, LoopClock, Timer
+from cpmemory.server.release import (  # noqa: F401 - the released request's handle, re-exported
+    CHAIN_WAIT_S,
+    SEND_TURN_S,
+    Admission,
+    AdmissionReason,
+    HoldObserver,
+    LaneMap,
+    NullHoldObserver,
+    ReleaseOrder,
+    unheld,
+)
 
 logger = logging.getLogger(__name__)
-
-SEND_TURN_S = 1.0
-"""The longest a released request waits for the one before it to be sent once that one's turn came (a slow
-preparation, a cache-fit wait)."""
-CHAIN_WAIT_S = 30.0
-"""The longest a released request waits for the one before it to reach its turn (a safety net: that one waits for
-the one before it, each at most ``SEND_TURN_S`` once its turn came)."""
-
-AdmissionReason = Literal["immediate", "slot", "timeout"]
-ReleaseOrder = Literal["planner", "fcfs"]
 
 Planner = Callable[[Sequence[Sequence[Block]], str], "Sequence[int] | ReleasePlan"]
 """``planner(requests, tenant)``: the order to run a tenant's waiting requests in (a permutation of their positions),
@@ -101,169 +71,10 @@ e.g. ``lambda requests, tenant: memory.release_order(requests, tenant=tenant)``,
 (``memory.release_plan(requests, tenant=tenant, cache_tokens=..., lanes=...)``)."""
 
 
-class LaneMap:
-    """One release's lanes and the replicas they were given (a lane's first routed request claims one).
-
-    Attributes:
-        release: a fresh id of the release (behind a gateway each lane is named to it as a session of its own).
-    """
-
-    def __init__(self) -> None:
-        self._replicas: dict[int, int] = {}
-        self.release = uuid.uuid4().hex
-
-    def session_key(self, lane: int) -> str:
-        """The affinity key of ``lane`` of this release (a gateway with session affinity keeps it on one replica)."""
-        return f"lane|{self.release}|{lane}"
-
-    def replica(self, lane: int) -> int | None:
-        """The replica ``lane`` runs on, None before its first request was routed."""
-        return self._replicas.get(lane)
-
-    def claim(self, lane: int, replica: int) -> None:
-        """``lane`` runs on ``replica`` from now on (a later claim moves it, e.g. after a failover)."""
-        self._replicas[lane] = replica
-
-    def taken(self, lane: int) -> set[int]:
-        """The replicas the release's other lanes run on."""
-        return {replica for other, replica in self._replicas.items() if other != lane}
-
-
-class HoldObserver(Protocol):
-    """What the queue reports (the proxy's metrics implement it; the default records nothing)."""
-
-    def held(self, waiting: int) -> None:
-        """A request started waiting; ``waiting`` are held now."""
-
-    def released(self, reason: AdmissionReason, order: ReleaseOrder, waits_s: Sequence[float]) -> None:
-        """A window was released: why, in which order, and how long each of its requests waited."""
-
-    def cancelled(self, waiting: int) -> None:
-        """A held request's waiter was cancelled (its client went away); ``waiting`` are held now."""
-
-    def planner_failed(self) -> None:
-        """The planner raised or returned something other than a permutation: that window went FCFS."""
-
-    def send_timed_out(self) -> None:
-        """A released request waited ``SEND_TURN_S`` for the one before it to be sent and went on without it."""
-
-
-class _NullObserver:
-    def held(self, waiting: int) -> None:
-        pass
-
-    def released(self, reason: AdmissionReason, order: ReleaseOrder, waits_s: Sequence[float]) -> None:
-        pass
-
-    def cancelled(self, waiting: int) -> None:
-        pass
-
-    def planner_failed(self) -> None:
-        pass
-
-    def send_timed_out(self) -> None:
-        pass
-
-
 @dataclass(slots=True)
-class Admission:
-    """A request's permission to run. Call :meth:`done` once its engine call has ended (idempotent).
+class Held:
+    """A held request (the policies read and plan it)."""
 
-    Attributes:
-        reason: ``immediate`` (not held), ``slot`` (released when a request ended) or ``timeout`` (waited hold_s).
-        waited_s: how long the request was held.
-        position: its place in its release (0 = first sent), 0 when not held.
-        lane: the lane of its release's split it runs on (None: not split, the router decides).
-        lanes: its release's lanes and their replicas (None when not split).
-    """
-
-    reason: AdmissionReason
-    waited_s: float = 0.0
-    position: int = 0
-    lane: int | None = None
-    lanes: LaneMap | None = None
-    _queue: HoldQueue | None = field(default=None, repr=False)
-    _after: asyncio.Event | None = field(default=None, repr=False)  # the previous request of its release was sent
-    _sent: asyncio.Event | None = field(default=None, repr=False)
-    _after_turn: asyncio.Event | None = field(default=None, repr=False)  # the previous one's turn came
-    _turn: asyncio.Event | None = field(default=None, repr=False)
-    _tokens: int = field(default=0, repr=False)  # its estimated prompt tokens, counted in flight until done
-    _replica: int | None = field(default=None, repr=False)  # the replica a pick released it to (counted there)
-
-    async def in_turn(self, timeout_s: float = SEND_TURN_S) -> None:
-        """Wait until the request released before this one (in the window's order; in its lane's, when the window
-        was split) has been sent to its engine, at most ``timeout_s``: the engines then queue the window in the
-        planned order, where requests released at once and prepared and connected side by side would reach them in
-        whatever order their connections opened. A split window's lanes go to different replicas, so each lane
-        keeps its own order and none waits for another's sends."""
-        if self._turn is not None and self._turn.is_set():
-            return  # its turn already came (idempotent)
-        clock = self._queue._clock if self._queue is not None else LoopClock()
-        try:
-            # the one before waits for its own turn first: the limit counts from its turn, not from this one's
-            # release, or a window's order would hold only for its first second of sends
-            in_order = await _wait_set(self._after_turn, CHAIN_WAIT_S, clock)
-            if in_order and not await _wait_set(self._after, timeout_s, clock) and self._queue is not None:
-                self._queue._observer.send_timed_out()
-        finally:
-            if self._turn is not None:
-                self._turn.set()
-
-    def sent(self) -> None:
-        """The request reached its engine (or will not): the next one of its release may go. Idempotent."""
-        if self._turn is not None:
-            self._turn.set()
-        if self._sent is not None:
-            self._sent.set()
-
-    @contextlib.asynccontextmanager
-    async def sending(self) -> AsyncIterator[None]:
-        """Wait for the request's turn in its release (:meth:`in_turn`), then send it inside the block: leaving it,
-        however it ends, lets the next one go (:meth:`sent`)."""
-        await self.in_turn()
-        try:
-            yield
-        finally:
-            self.sent()
-
-    def placed(self, replica: int) -> None:
-        """The request was routed to ``replica``: a pick counts it there from now on (a turn whose conversation
-        lives on another replica goes there, whatever replica picked it). Nothing for other admissions."""
-        if self._queue is not None and self._replica is not None and replica != self._replica:
-            self._queue._move(self._replica, replica, self._tokens)
-            self._replica = replica
-
-    def done(self) -> None:
-        """The request's engine call ended (or it will not be sent): give its slot back. Idempotent."""
-        self.sent()
-        queue, self._queue = self._queue, None
-        if queue is not None:
-            queue._finished(self._tokens, self._replica)
-
-
-async def _wait_set(event: asyncio.Event | None, timeout_s: float, clock: Clock) -> bool:
-    """Wait until ``event`` is set, at most ``timeout_s`` by ``clock``; whether it was set (True for None)."""
-    if event is None or event.is_set():
-        return True
-    expired = asyncio.Event()
-    timer = clock.call_later(timeout_s, expired.set)
-    setting, expiring = asyncio.ensure_future(event.wait()), asyncio.ensure_future(expired.wait())
-    try:
-        await asyncio.wait({setting, expiring}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        timer.cancel()
-        setting.cancel()
-        expiring.cancel()
-    return event.is_set()
-
-
-def unheld() -> Admission:
-    """An admission outside any queue (the queue is off); its ``done`` does nothing."""
-    return Admission("immediate")
-
-
-@dataclass(slots=True)
-class _Held:
     tenant: str
     blocks: tuple[Block, ...]
     tokens: int
@@ -274,12 +85,45 @@ class _Held:
     lane: tuple[int, int] | None = None  # (its plan, its lane there) when the plan split its window (pick)
 
 
-PickView = Callable[[int, Sequence[Hashable]], float]
-"""``cached(replica, order)``: how much of a planned block order ``replica`` holds as a prefix (a
-:class:`~cpmemory.server.pick.SentOrders` view)."""
+class ReleasePolicy(Protocol):
+    """When held requests go: what a hold policy does at each event of the queue."""
 
-LANE_CLAIMS = 4096
-"""Plan lanes whose replica a pick remembers (the latest)."""
+    admits_at_once: bool
+    """Whether a request within the bounds runs at once when nobody is held (else every one goes by the policy)."""
+
+    def arrived(self, queue: HoldQueue, entry: Held) -> None:
+        """``entry`` was just held."""
+
+    def finished(self, queue: HoldQueue, tokens: int, replica: int | None) -> None:
+        """A request's engine call ended (its slot is already free in ``queue``)."""
+
+    def moved(self, queue: HoldQueue, old: int, new: int, tokens: int) -> None:
+        """A released request runs on replica ``new``, not ``old``."""
+
+    def expired(self, queue: HoldQueue) -> None:
+        """The oldest held request waited ``hold_s``."""
+
+
+class WindowRelease:
+    """The ``window`` hold policy: a freed slot or the oldest request's timeout releases every held request, as one
+    window in the planner's order."""
+
+    admits_at_once = True
+
+    def arrived(self, queue: HoldQueue, entry: Held) -> None:
+        """Nothing: the request waits for a slot or the window's timeout."""
+
+    def finished(self, queue: HoldQueue, tokens: int, replica: int | None) -> None:
+        """A slot is free: release the window if the bounds allow one more request."""
+        if queue._held and not queue._full(0):
+            queue._release("slot")
+
+    def moved(self, queue: HoldQueue, old: int, new: int, tokens: int) -> None:
+        """Nothing: the window's bounds are the fleet's, not a replica's."""
+
+    def expired(self, queue: HoldQueue) -> None:
+        """Release every held request."""
+        queue._release("timeout")
 
 
 class HoldQueue:
@@ -293,37 +137,29 @@ class HoldQueue:
             unknown (no token bound then); each request counts the ``tokens`` it was admitted with.
         planner: orders a tenant's waiting requests; None releases first come first served.
         observer: receives the queue's events (metrics).
-        pick: release one held request at a time to a replica with room, the one whose planned block order finds
-            the longest prefix ``pick(replica, order)`` says that replica holds (see :meth:`_pick`); None: a
-            release hands out every held request (the window). Needs ``planner`` and ``healthy``.
-        healthy: the indices of the replicas in rotation (with ``pick``).
+        policy: when held requests go (:class:`WindowRelease` by default; ``PickRelease`` needs ``planner``).
         clock: the time and timers (the event loop's by default; a ``ManualClock`` in tests).
     """
 
     def __init__(self, max_in_flight: int | None, hold_s: float, *, replicas: Callable[[], int] = lambda: 1,
                  token_budget: Callable[[], int | None] | None = None, planner: Planner | None = None,
-                 observer: HoldObserver | None = None, pick: PickView | None = None,
-                 healthy: Callable[[], Sequence[int]] | None = None, clock: Clock | None = None) -> None:
+                 observer: HoldObserver | None = None, policy: ReleasePolicy | None = None,
+                 clock: Clock | None = None) -> None:
         if (max_in_flight is not None and max_in_flight < 1) or hold_s <= 0:
             raise ValueError("max_in_flight must be >= 1 and hold_s > 0")
         if max_in_flight is None and token_budget is None:
             raise ValueError("a hold queue needs max_in_flight, token_budget or both")
-        if pick is not None and (planner is None or healthy is None):
-            raise ValueError("a pick per replica needs a planner and the healthy replicas")
-        self._pick_view = pick
+        self._policy: ReleasePolicy = policy or WindowRelease()
+        if not self._policy.admits_at_once and planner is None:
+            raise ValueError("a pick per replica needs a planner")
         self._clock: Clock = clock or LoopClock()
-        self._healthy = healthy or (lambda: (0,))
-        self._on: dict[int, list[int]] = {}  # replica -> [requests, tokens] a pick released there, not ended
-        self._claims: OrderedDict[tuple[int, int], int] = OrderedDict()  # (plan, lane) -> its replica
-        self._plans = 0
-        self._ranks = 0
         self.max_in_flight = max_in_flight
         self.hold_s = hold_s
         self._replicas = replicas
         self._token_budget = token_budget
         self._planner = planner
-        self._observer: HoldObserver = observer or _NullObserver()
-        self._held: list[_Held] = []
+        self._observer: HoldObserver = observer or NullHoldObserver()
+        self._held: list[Held] = []
         self._admitted = 0
         self._tokens = 0
         self._timer: Timer | None = None
@@ -364,8 +200,9 @@ class HoldQueue:
 
     @property
     def picks(self) -> bool:
-        """Whether a replica with room takes one held request at a time (``pick``) rather than the whole window."""
-        return self._pick_view is not None
+        """Whether every request goes by the policy (``pick``: a replica with room takes one held request at a
+        time) rather than at once while within the bounds."""
+        return not self._policy.admits_at_once
 
     def try_admit(self, tokens: int = 0) -> Admission | None:
         """Admit a request of ``tokens`` (estimated prompt tokens) now if it is within the bounds and nobody is
@@ -394,12 +231,11 @@ class HoldQueue:
         admission = self.try_admit(tokens)
         if admission is not None:
             return admission
-        entry = _Held(tenant, tuple(blocks), tokens, self._clock.now(), asyncio.get_running_loop().create_future())
+        entry = Held(tenant, tuple(blocks), tokens, self._clock.now(), asyncio.get_running_loop().create_future())
         self._held.append(entry)
-        if self.picks:
-            self._pick(entry)  # a replica with room takes it (or a better one held) at once
-            if entry.future.done():
-                return entry.future.result()
+        self._policy.arrived(self, entry)
+        if entry.future.done():
+            return entry.future.result()
         if self._timer is None:  # the oldest held request sets the deadline of the whole window
             self._timer = self._clock.call_later(self.hold_s, self._expire)
         self._observer.held(len(self._held))
@@ -409,7 +245,7 @@ class HoldQueue:
             self._forget(entry)
             raise
 
-    def _forget(self, entry: _Held) -> None:
+    def _forget(self, entry: Held) -> None:
         if entry in self._held:
             self._held.remove(entry)
             if not self._held:
@@ -421,146 +257,24 @@ class HoldQueue:
     def _finished(self, tokens: int, replica: int | None = None) -> None:
         self._admitted = max(0, self._admitted - 1)
         self._tokens = max(0, self._tokens - tokens)
-        if replica is not None and replica in self._on:
-            counts = self._on[replica]
-            counts[0], counts[1] = max(0, counts[0] - 1), max(0, counts[1] - tokens)
-        if self.picks:
-            self._pick()
-        elif self._held and not self._full(0):
-            self._release("slot")
+        self._policy.finished(self, tokens, replica)
 
     def _move(self, old: int, new: int, tokens: int) -> None:
-        """A picked request runs on ``new``, not on ``old`` where it was counted."""
-        if old in self._on:
-            counts = self._on[old]
-            counts[0], counts[1] = max(0, counts[0] - 1), max(0, counts[1] - tokens)
-        counts = self._on.setdefault(new, [0, 0])
-        counts[0] += 1
-        counts[1] += tokens
-        self._pick()
-
-    def _room(self, replica: int, tokens: int) -> bool:
-        """Whether ``replica`` may take one more request of ``tokens``: it runs none of the pick's, or fewer than
-        ``max_in_flight`` and their tokens plus these fit its share of ``token_budget``."""
-        count, taken = self._on.get(replica, (0, 0))
-        if count == 0:
-            return True
-        if self.max_in_flight is not None and count >= self.max_in_flight:
-            return False
-        budget = None if self._token_budget is None else self._token_budget()
-        return budget is None or taken + tokens <= budget / max(1, len(self._healthy()))
-
-    def _pick(self, arriving: _Held | None = None) -> None:
-        """Release held requests, one at a time, to the healthy replicas with room. For each, of the held requests,
-        first one of the plan lane that replica already runs (then one of no lane, or of a lane no replica runs
-        yet), then the one whose planned block order finds the longest prefix on that replica (``pick``), then the
-        plans' order. Lane first: a split plan is the planner's sequence for each replica; taken by the longest
-        prefix first, a burst of 64 cached 47.8% against 51.6% in the time model (``scripts/hold_model.py``;
-        Poisson arrivals, whose plans rarely split, the same either way). The requests held since the last plan are
-        planned together first (the planner's block orders, lanes and order), and only when a replica has room: the
-        arrivals until then join one plan.
-
-        Why. Released as a whole window, held requests queue in the engines and are run in the order planned when
-        they were released; requests arriving meanwhile wait for the next window. Picked one at a time, each request
-        is placed when its replica can run it, against what that replica has just computed, and the requests that
-        arrived meanwhile are among the choices (``scripts/hold_model.py``: under Poisson arrivals at twice what the
-        original serves, 39% of the prompt tokens cached against 32-33% for windows).
-
-        ``arriving``: the request being admitted, released with reason ``immediate`` when it goes at once."""
-        assert self._pick_view is not None
-        replicas = list(self._healthy())
-        live = [entry for entry in self._held if not entry.future.done()]
-        if not live or not any(self._room(replica, 0) for replica in replicas):
-            return
-        self._plan_fresh([entry for entry in live if entry.order is None])
-        while self._held:
-            best: tuple[tuple[int, float, int], int, int] | None = None
-            for position, entry in enumerate(self._held):
-                if entry.future.done():
-                    continue  # cancelled: its waiter removes it
-                for replica in replicas:
-                    if not self._room(replica, entry.tokens):
-                        continue
-                    claim = None if entry.lane is None else self._claims.get(entry.lane)
-                    fit = 2 if claim == replica else int(claim is None)
-                    score = (fit, self._pick_view(replica, entry.order or ()), -entry.rank)
-                    if best is None or score > best[0]:
-                        best = (score, position, replica)
-            if best is None:
-                break
-            _, position, replica = best
-            entry = self._held.pop(position)
-            if entry.lane is not None:
-                self._claims.setdefault(entry.lane, replica)
-                self._claims.move_to_end(entry.lane)
-                while len(self._claims) > LANE_CLAIMS:
-                    self._claims.popitem(last=False)
-            lanes = LaneMap()
-            lanes.claim(0, replica)
-            waited = self._clock.now() - entry.arrived
-            counts = self._on.setdefault(replica, [0, 0])
-            counts[0] += 1
-            counts[1] += entry.tokens
-            reason: AdmissionReason = "immediate" if entry is arriving else "slot"
-            entry.future.set_result(self._admit_one(Admission(reason, waited, 0, 0, lanes, self,
-                                                              _tokens=entry.tokens, _replica=replica)))
-            if reason != "immediate":
-                self._observer.released(reason, "planner", [waited])
-        if not any(not entry.future.done() for entry in self._held):
-            self._cancel_timer()
-
-    def _plan_fresh(self, fresh: list[_Held]) -> None:
-        """Plan the held requests not planned yet, per tenant, as one window each: their block orders, lanes and
-        ranks (a failed plan leaves the blocks in relevance order and arrival ranks)."""
-        groups: dict[str, list[_Held]] = {}
-        for entry in fresh:
-            if entry.blocks:
-                groups.setdefault(entry.tenant, []).append(entry)
-            else:
-                entry.order, entry.rank = (), self._next_rank()
-        for tenant, entries in groups.items():
-            self._plans += 1
-            plan = self._plan(tenant, [entry.blocks for entry in entries])
-            if plan is None:
-                for entry in entries:
-                    entry.order = tuple(block.content_hash for block in entry.blocks)
-                    entry.rank = self._next_rank()
-                continue
-            permutation, lanes, orders = plan
-            for position in permutation:
-                entry = entries[position]
-                entry.order = tuple(orders[position]) if orders else tuple(b.content_hash for b in entry.blocks)
-                entry.rank = self._next_rank()
-                lane = lanes[position]
-                entry.lane = None if lane is None else (self._plans, lane)
-
-    def _next_rank(self) -> int:
-        self._ranks += 1
-        return self._ranks
+        """A released request runs on ``new``, not on ``old`` where it was counted."""
+        self._policy.moved(self, old, new, tokens)
 
     def _expire(self) -> None:
-        """The oldest held request waited ``hold_s``: release every held request (the window). With ``pick``,
-        only those that waited that long, together, as a window (planned, split over the replicas when it outgrows
-        their caches); then wait for the next oldest."""
+        """The oldest held request waited ``hold_s``: the policy releases (every held request, or those that
+        waited that long)."""
         self._timer = None
-        if not self.picks:
-            self._release("timeout")
-            return
-        now = self._clock.now()
-        live = [entry for entry in self._held if not entry.future.done()]
-        expired = [entry for entry in live if now - entry.arrived >= self.hold_s - 1e-3]
-        self._held = [entry for entry in live if entry not in expired]
-        self._release("timeout", expired)
-        if self._held:
-            oldest = min(entry.arrived for entry in self._held)
-            self._timer = self._clock.call_later(max(0.0, oldest + self.hold_s - now), self._expire)
+        self._policy.expired(self)
 
     def _cancel_timer(self) -> None:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
 
-    def _release(self, reason: AdmissionReason, entries: list[_Held] | None = None) -> None:
+    def _release(self, reason: AdmissionReason, entries: list[Held] | None = None) -> None:
         """Release every held request (or only ``entries``, with the timer left to the caller), in planner order
         (the futures resolve in that order, so their tasks resume, are prepared and are sent in that order)."""
         if entries is None:
@@ -586,7 +300,7 @@ class HoldQueue:
             last[chain] = (turn, sent)
         self._observer.released(reason, "planner" if planned else "fcfs", waits)
 
-    def _order(self, window: list[_Held]) -> tuple[list[int], bool, dict[int, tuple[int, LaneMap]]]:
+    def _order(self, window: list[Held]) -> tuple[list[int], bool, dict[int, tuple[int, LaneMap]]]:
         """The release order of ``window``: each tenant's requests with blocks are ordered by the planner among
         the positions they hold; the rest keep their arrival positions. Returns (order, whether planned, the lane
         and lane map of each request of a split tenant window, by its window index)."""

