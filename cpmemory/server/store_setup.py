@@ -102,7 +102,9 @@ async def check_store(store: AsyncSessionStore) -> None:
     client = getattr(store, "client", None)
     if client is None:
         return
-    from redis.exceptions import RedisClusterException, RedisError
+    from redis.exceptions import AuthenticationError, RedisClusterException, RedisError
+    from redis.exceptions import ConnectionError as RedisConnectionError
+    from redis.exceptions import TimeoutError as RedisTimeoutError
 
     is_cluster = hasattr(client, "nodes_manager")
     try:
@@ -118,8 +120,13 @@ async def check_store(store: AsyncSessionStore) -> None:
             raise StoreConfigurationError("the Redis server does not run in cluster mode: give the store as "
                                           "redis://HOST:PORT/DB, not redis+cluster://") from error
         raise StoreUnavailableError(f"the Redis Cluster cannot be used: {error}") from error
-    except (RedisError, OSError) as error:
+    except AuthenticationError as error:  # a ConnectionError to redis-py, but the server answered
+        raise StoreUnavailableError(f"the Redis store refused the credentials: {error} (give them in the URL: "
+                                    "redis://USER:PASSWORD@HOST:PORT/DB)") from error
+    except (RedisConnectionError, RedisTimeoutError, OSError) as error:
         raise StoreUnavailableError(f"the Redis store cannot be reached: {type(error).__name__}: {error}") from error
+    except RedisError as error:  # e.g. a password required or refused, a command disabled
+        raise StoreUnavailableError(f"the Redis store refused the check: {type(error).__name__}: {error}") from error
     await store.load(PROBE_KEY)
 
 
