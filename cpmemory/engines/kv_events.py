@@ -294,7 +294,7 @@ class FrameProcessor:
 
 SUBSCRIBE_SETTLE_S = 0.05
 """After the handshake, how long the subscription is given to reach the publisher before ``start`` returns (without
-it, 2 batches in 1,000 published at once on a loaded machine were still missed; none with it)."""
+it, a burst published right after the handshake could still lose batches on a loaded machine; none with it)."""
 
 
 class KVEventSubscriber:

@@ -2,16 +2,16 @@
 
 The proxy needs a prompt's token ids to key it by the engine's block hashes: before routing (prefix score from the
 replicas' KV events) and after an answer (eviction sync). Asking the engine (``/tokenize``) costs a request to an
-API server that is busy with the engine's own work: about 105 ms a call on the bench replicas under load, against
-3 ms of proxy overhead without it. Given the model's tokenizer (the same directory or Hugging Face id the engine
+API server that is busy with the engine's own work: under load that round trip costs far more than all the rest
+of the proxy's work. Given the model's tokenizer (the same directory or Hugging Face id the engine
 serves), :class:`LocalTokenizer` builds the same ids here: the model's chat template applied with the generation
 prompt (vLLM's default for ``/tokenize`` and for chat completions), then encoded without special tokens (the
 template writes them). Equality with the engine's ``/tokenize`` is checked against a real vLLM server
 (``tests/e2e/test_vllm_kv_sync.py``).
 
 Needs ``transformers`` (``pip install 'cpmemory[tokenizer]'``); loading reads only local files unless the name is
-a Hugging Face id. Encoding runs in a worker thread (a 15,000-token prompt takes about 15 ms on one core), so the
-event loop keeps serving. Thread-safe for encoding (the fast tokenizer is).
+a Hugging Face id. Encoding runs in a worker thread (a long prompt takes milliseconds of CPU), so the event loop
+keeps serving. Thread-safe for encoding (the fast tokenizer is).
 """
 from __future__ import annotations
 
