@@ -9,7 +9,7 @@ from importlib.metadata import entry_points
 
 import typer
 
-from cpmemory.bench import conversation, core_bench, demo, hold_bench, load, plan_bench, serve, store_bench
+from cpmemory.bench import conversation, core_bench, demo, load, plan_bench, serve, store_bench
 from cpmemory.server import command as serve_command
 from cpmemory.testing import mock_server
 
@@ -31,9 +31,6 @@ bench_app.command("plan", help="plan_batch time and memory on a large seeded bat
 bench_app.command("load", help="Concurrent conversations through the proxy: overhead, errors, lost blocks.")(
     load.command
 )
-bench_app.command("hold", help="The proxy's hold-and-release queue on and off: cached share, same run.")(
-    hold_bench.command
-)
 bench_app.command("serve", help="Replay a trace through the proxy on real engines: TTFT, throughput, errors, lost.")(
     serve.command
 )
@@ -41,7 +38,7 @@ bench_app.command("serve", help="Replay a trace through the proxy on real engine
 # The research commands (trace replay, studies) live in the unshipped distribution `benchmarks/`
 # (cpmemory-benchmarks); it adds them through this entry-point group. Without it, these names say how to install it.
 BENCH_PLUGINS = "cpmemory.bench"
-RESEARCH_COMMANDS = ("replay", "accuracy", "hosted")
+RESEARCH_COMMANDS = ("replay", "hold", "accuracy", "hosted")
 INSTALL_HINT = (
     "`cpmemory bench {name}` is a research benchmark: it lives in benchmarks/ (cpmemory-benchmarks), not in the "
     "cpmemory package. From a checkout: `make setup`, or `pip install -e benchmarks`."

@@ -21,6 +21,8 @@ class Study(NamedTuple):
 
 STUDIES: tuple[Study, ...] = (
     Study("replay", "cpmemory_benchmarks.replay", "Replay a trace or a real workload through every strategy."),
+    Study("hold", "cpmemory_benchmarks.hold_bench",
+          "The proxy's hold-and-release queue on and off: cached share, same run."),
     Study("accuracy", "cpmemory_benchmarks.accuracy", "Answer accuracy with and without cpmemory on a real model."),
     Study("hosted", "cpmemory_benchmarks.hosted", "Hosted providers' prompt caches with and without cpmemory."),
 )

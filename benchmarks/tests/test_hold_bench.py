@@ -7,9 +7,9 @@ import json
 
 from typer.testing import CliRunner
 
-from cpmemory.bench.hold_bench import capacity_blocks, configurations, run_all, summarize
 from cpmemory.bench.trace import TraceBlock, TraceRequest
 from cpmemory.cli import app
+from cpmemory_benchmarks.hold_bench import capacity_blocks, configurations, run_all, summarize
 
 POOL = [TraceBlock(f"b{i}", f"Block {i}: " + f"evidence {i} of the topic. " * (3 + i % 5)) for i in range(12)]
 REQUESTS = [TraceRequest(f"s{n}", 1, f"question {n}?", tuple(POOL[(n + k * 3) % 12] for k in range(3)))
