@@ -63,6 +63,8 @@ DEFAULT_PRICES: Mapping[str, Price] = {
     "gpt-4.1-mini": _openai(0.40, 0.10, 1.6),
     "gpt-5": _openai(1.25, 0.125, 10.0),
     "gpt-5-mini": _openai(0.25, 0.025, 2.0),
+    "gpt-5.4": _openai(2.50, 0.25, 15.0),
+    "gpt-5.4-mini": _openai(0.75, 0.075, 4.5),
     "claude-opus-4-5": _anthropic(5.0, 25.0),
     "claude-sonnet-4": _anthropic(3.0, 15.0),
     "claude-sonnet-4-5": _anthropic(3.0, 15.0),

@@ -5,6 +5,7 @@ both send what this builds; neither knows a provider's format.
 """
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -25,6 +26,7 @@ __all__ = ["DEFAULT_BASE_URLS", "HostedProvider", "HostedRequest", "HostedSettin
 
 DEFAULT_BASE_URLS = {"openai": "https://api.openai.com/v1", "anthropic": "https://api.anthropic.com"}
 ANTHROPIC_VERSION = "2023-06-01"
+API_KEY_VARIABLE = "CPMEMORY_HOSTED_API_KEY"
 
 
 class HostedSettings(BaseModel):
@@ -33,7 +35,8 @@ class HostedSettings(BaseModel):
     Attributes:
         provider: ``openai`` (Chat Completions) or ``anthropic`` (Messages).
         base_url: the API root (default: the provider's public endpoint; a compatible gateway's root otherwise).
-        api_key: the provider's key (sent as ``Authorization: Bearer`` or ``x-api-key``).
+        api_key: the provider's key (sent as ``Authorization: Bearer`` or ``x-api-key``); None reads
+            ``CPMEMORY_HOSTED_API_KEY`` when the provider object is made.
         model: replaces the model a client names (None: the client's model is sent).
         prompt_cache_key: OpenAI: send a stable ``prompt_cache_key`` (per conversation, else per shared prefix).
         placement: Anthropic: where ``cache_control`` breakpoints go (``cpmemory.hosted.anthropic_body``).
@@ -82,6 +85,10 @@ class HostedProvider:
     """Requests and answers of one provider (immutable; no IO)."""
 
     def __init__(self, settings: HostedSettings, prices: PriceTable | None = None) -> None:
+        """No IO; a settings object without ``api_key`` takes ``CPMEMORY_HOSTED_API_KEY`` from the environment
+        now (so a config file need not hold the secret)."""
+        if settings.api_key is None and os.environ.get(API_KEY_VARIABLE):
+            settings = settings.model_copy(update={"api_key": SecretStr(os.environ[API_KEY_VARIABLE])})
         self.settings = settings
         self.prices = (prices or PriceTable()).with_overrides(settings.prices)
 
