@@ -24,9 +24,9 @@ routed in between would otherwise find nothing of the calls before it.
 
 Scoring (the facts llm-d and SGLang publish, not their code): ``score = prefix_weight * cached_fraction
 - queue_weight * in_flight / max_in_flight - kv_weight * kv_utilisation``. llm-d weighs prefix 2 / queue 1 / KV 1;
-the router's default queue weight is 0.25 (measured on the online replays with 4 replicas: at 1 the queue term
-outweighs the small cached-share differences of prompts that share little, and the synthetic trace keeps 90.6% of the
-single-cache hit rate instead of 97.0%; the bounded load keeps the balance).
+the router's default queue weight is 0.25 (on the online replays, at 1 the queue term outweighs the small
+cached-share differences of prompts that share little and the replicas lose hit rate against a single cache; the
+bounded load keeps the balance; docs/decisions.md).
 """
 from __future__ import annotations
 
@@ -300,11 +300,11 @@ class EventPrefixView:
         Pending blocks are bounded by ``PENDING_CACHES`` times the replica's capacity (when known), the most
         recently sent kept: a prompt that matches a pending block runs after the prompts queued since that block's,
         which compute their own blocks first; once far more than the cache holds is queued after a block, LRU
-        eviction takes it before the new prompt can reuse it. Without the bound a burst of 64 LoCoMo questions
-        routed by their first calls' pending prefixes piled 39 onto one replica whose cache held three of them.
+        eviction takes it before the new prompt can reuse it. Without the bound a burst of questions
+        routed by their first calls' pending prefixes piled most of them onto one replica whose cache held a few.
         Not at one cache's worth: blocks that later prompts hit go back to the end of vLLM's LRU queue and a
         finished prompt's tail is evicted before its head, so shared heads outlive a cache's worth of traffic (bounded
-        at one cache, a closed loop of 8 clients cached 7-17% fewer tokens; docs/bench-serve.md)."""
+        at one cache, a closed loop cached fewer tokens; docs/decisions.md)."""
         cache = self._caches[replica]
         with self._lock:
             now = self._clock()
