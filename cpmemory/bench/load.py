@@ -1,5 +1,8 @@
 """``cpmemory bench load``: concurrent conversations through the proxy; overhead, errors, lost blocks, throughput.
 
+``overhead_*``: the proxy's own time per request (outside the engine call and admission's waits); ``wait_*``: the
+time admission held a request by design (the hold queue, cache-fit admission), reported apart.
+
 The proxy runs in this process (uvicorn on a free loopback port) in front of in-process mock engines (default) or
 real engines given by URL (loopback only). Every conversation runs its turns one after another, all conversations
 at once. Each turn retrieves blocks from a shared pool, overlapping the previous turn's blocks, so de-duplication
@@ -38,6 +41,7 @@ class LoadStats:
     lost_blocks: int = 0
     unchecked: int = 0
     overhead_ms: list[float] = field(default_factory=list)
+    wait_ms: list[float] = field(default_factory=list)
     latency_ms: list[float] = field(default_factory=list)
     cached_tokens: int = 0
     prompt_tokens: int = 0
@@ -180,6 +184,7 @@ def _error(stats: LoadStats, message: str) -> None:
 
 def _account(stats: LoadStats, info: Mapping[str, Any], replica: Any) -> Any:
     stats.overhead_ms.append(float(info.get("overhead_ms", 0.0)))
+    stats.wait_ms.append(float(info.get("wait_ms", 0.0)))
     stats.cached_tokens += int(info.get("cached_tokens", 0))
     stats.prompt_tokens += int(info.get("prompt_tokens", 0))
     stats.tokens_deduplicated += int(info.get("tokens_deduplicated", 0))
@@ -242,6 +247,9 @@ def _figures(stats: LoadStats, conversations: int, turns: int, wall: float) -> d
         "overhead_p50_ms": round(percentile(stats.overhead_ms, 0.5), 3),
         "overhead_p99_ms": round(percentile(stats.overhead_ms, 0.99), 3),
         "overhead_mean_ms": round(statistics.fmean(stats.overhead_ms), 3) if stats.overhead_ms else 0.0,
+        "wait_p50_ms": round(percentile(stats.wait_ms, 0.5), 3),
+        "wait_p99_ms": round(percentile(stats.wait_ms, 0.99), 3),
+        "wait_mean_ms": round(statistics.fmean(stats.wait_ms), 3) if stats.wait_ms else 0.0,
         "latency_p50_ms": round(percentile(stats.latency_ms, 0.5), 3),
         "latency_p99_ms": round(percentile(stats.latency_ms, 0.99), 3),
         "throughput_rps": round(stats.requests / wall, 2) if wall > 0 else 0.0,

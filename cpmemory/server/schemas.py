@@ -146,6 +146,7 @@ class TurnInfo(BaseModel):
     degraded: bool
     committed: bool
     overhead_ms: float
+    wait_ms: float = 0.0  # admission's waits by design (hold, cache fit): not in overhead_ms
 
 
 class ReplicaHealth(BaseModel):

@@ -279,6 +279,8 @@ class ProxyService(TurnPlacement):
         overhead = time.perf_counter() - started - result.engine_seconds - slot.waited_s  # a wait has its histogram
         info = self.turn_info(turn, prepared, result.decision, result.failovers, result.response.get("usage"),
                               committed, overhead)
+        # admission's waits by design (hold, cache fit), reported apart from the proxy's own time (overhead_ms)
+        info["wait_ms"] = round((slot.waited_s + (admission.waited_s if admission is not None else 0.0)) * 1000, 3)
         return TurnOutcome({**result.response, "cpmemory": {**upstream_info(result.response), **info}})
 
     async def open_turn_stream(self, request: ChatCompletionRequest, tenant: str, turn: TurnInput,

@@ -192,3 +192,16 @@ async def test_a_conversation_outgrown_on_its_replica_moves_to_the_other_and_sta
     assert report.ok, report
     sent = "\n".join(str(message.get("content")) for message in last)
     assert body(younger, 1)["cpmemory"]["blocks"][0]["text"] in sent  # its history reached the replica it moved to
+
+
+async def test_a_turn_s_admission_wait_is_reported_apart_from_the_proxy_s_overhead(make_proxy) -> None:
+    proxy = make_proxy(1, replica_cache_tokens=CACHE_TOKENS, fit=FitConfig(idle_ms=IDLE_MS, first_idle_ms=IDLE_MS))
+    for turn in (1, 2):
+        await post(proxy, "a", turn)
+    await post(proxy, "b", 1)
+    started = time.perf_counter()
+    response = await proxy.client.post("/v1/chat/completions", json=body("b", 2))
+    latency_ms = (time.perf_counter() - started) * 1000
+    info = response.json()["cpmemory"]
+    assert info["wait_ms"] >= 0.5 * IDLE_MS  # b waited for a to go idle, by design
+    assert info["overhead_ms"] + info["wait_ms"] <= latency_ms + 1.0  # the wait is not counted twice
