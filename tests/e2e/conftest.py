@@ -15,6 +15,7 @@ import pytest
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
+PROXY_SETTINGS = HERE / "proxy.toml"  # what every proxy process here runs with (an engine timeout tests can wait out)
 
 
 def free_port() -> int:
@@ -70,7 +71,7 @@ def engine_process(port: int | None = None, *extra: str) -> Process:
 
 def proxy_process(engines: list[str], *extra: str, port: int | None = None) -> Process:
     port = port or free_port()
-    args = [sys.executable, "-m", "cpmemory.cli", "serve", "--port", str(port), "--engine-timeout", "5"]
+    args = [sys.executable, "-m", "cpmemory.cli", "serve", "--port", str(port), "--config", str(PROXY_SETTINGS)]
     for url in engines:
         args += ["--engine", url]
     return Process(args + list(extra), port, "/healthz")
