@@ -8,16 +8,13 @@ engine's tokenizer (the proxy uses the engine's ``/tokenize``), a local tokenize
 
 The default estimate (:func:`estimate_tokens`) counts two lower-case letters (after an optional capital) as one
 token, any other letter, digit, punctuation mark or whitespace character as one token (a single space between a word
-and the next letter is free), every non-ASCII character as its UTF-8 byte count, plus one per text. Measured over 8,000
-texts (titles, dialog turns, passages, URLs) of the four public data sets in ``shared/data``, it never under-counts
-the production tokenizers available offline: Mistral's tekken (131K-vocabulary tiktoken BPE: real/estimate 0.50 in
-total, 0.97 on the worst text), its SentencePiece v1/v3 (Llama-2 style: 0.54 in total, 1.00 worst) and BERT's
-WordPiece (all-MiniLM-L6-v2: 0.48 in total, 0.87 worst), so a budget
-is used at about half its size on English prose. Random letter soup ("Sdyy") can take up to 3x the estimate under
-any tokenizer, and the 8K-vocabulary test model (the ``.ci`` tiny model) reaches 1.23x on 53 short proper-name
-texts (0.69 in total; with its chat template it counts up to 1.11x the planned size of `bench conversation`'s
-prompts of made-up words, where tekken and SentencePiece count 0.83x and 0.92x): for those, count with
-the engine's tokenizer or with :func:`utf8_bytes` (a strict bound for any byte-level BPE).
+and the next letter is free), every non-ASCII character as its UTF-8 byte count, plus one per text. Over the texts
+(titles, dialog turns, passages, URLs) of the four public data sets in ``shared/data`` it never under-counts the
+production tokenizers available offline (Mistral's tekken and SentencePiece, BERT's WordPiece), so on English prose a
+budget is used well below its size. Random letter soup ("Sdyy") can take several times the estimate under any
+tokenizer, and a small-vocabulary model (the ``.ci`` tiny model) counts more than the estimate on short proper names and on
+the made-up words of `bench conversation`'s prompts: for those, count with the engine's tokenizer or with :func:`utf8_bytes` (a strict
+bound for any byte-level BPE).
 ``python -m cpmemory_benchmarks.studies.token_estimate`` (benchmarks/) reruns the comparison.
 """
 

@@ -286,9 +286,9 @@ class FacadeCore:
         The tenant's online planner orders the window (``cpmemory.core.online.OnlineOrderer.plan_window``): the
         block orders it decides are used when the requests are then prepared (without ``prompt_order``) in this
         order. A window that fits the engine's cache keeps the arrival order, each request ordered as at W=1
-        (running the best-cached first measured no better at W=32); a window whose blocks outgrow
+        (running the best-cached first gained nothing); a window whose blocks outgrow
         ``cache_tokens`` gets either those orders or a batch plan (block orders and a depth-first schedule),
-        whichever finds more cached in a model of the engine's LRU cache, see docs/bench.md.
+        whichever finds more cached in a model of the engine's LRU cache.
         Nothing is recorded in the index until they are prepared; their blocks count as retrieved.
 
         Args:

@@ -25,8 +25,8 @@ def window_start(turns: int, max_turns: int | None) -> int:
     outgrows the window, the window restarts after the last full block of ``max_turns`` turns, keeping between 1
     and ``max_turns`` turns. Between two restarts every turn's history extends the previous one (the engine's prefix
     cache keeps matching it), and right after a restart the history to recompute is a single turn. (A sliding
-    window would change the prefix on every turn; restarting every ``max_turns / 2`` turns measured 1.8-1.9x the
-    prefill in examples/mem0_chat.py.) Pure; O(1).
+    window would change the prefix on every turn; restarting every ``max_turns / 2`` turns prefilled more
+    in examples/mem0_chat.py; docs/decisions.md.) Pure; O(1).
     """
     if max_turns is None or turns <= max_turns:
         return 0
