@@ -68,8 +68,8 @@ class FakeClient:
         try:
             self.order[conversation].append(query)
             if query in self.hang:
-                await asyncio.sleep(3600)
-            await asyncio.sleep(self.delay_s)
+                await asyncio.Event().wait()  # never answers: the request's deadline ends it
+            await asyncio.sleep(0)  # the others run meanwhile; ``delay_s`` is the latency it reports
             if query in self.fail:
                 raise EngineError("replica on fire")
             return Sent(0.001, self.delay_s, 100, 50, 0, None)
@@ -92,9 +92,7 @@ def test_a_hung_request_ends_at_its_deadline_and_the_session_goes_on():
     sessions = select_jobs(trace, settings_of(requests=6), "r")
     hung, failing = sessions[0][0].request.query, sessions[1][1].request.query
     client = FakeClient(hang={hung}, fail={failing})
-    started = time.perf_counter()
     outcomes, _ = asyncio.run(replay(client, sessions, True, settings_of(requests=6, timeout_s=0.3)))
-    assert time.perf_counter() - started < 2.0
     errors = {o.job.request.query: o.error for o in outcomes if o.error}
     assert errors.keys() == {hung, failing}
     assert errors[hung].startswith("timeout") and "replica on fire" in errors[failing]
