@@ -330,8 +330,8 @@ class KVEventSubscriber:
         done, so the subscription is on its way: a batch published after this returns is received), at most
         ``connect_timeout_s`` (a publisher not up yet is joined later, as ZMQ reconnects). Returns self.
 
-        Without the wait, what the engine published in the first milliseconds to seconds (a loaded machine) was
-        lost without a gap to show for it: ZMQ's slow joiner. The proxy's views then missed the first prompts'
+        Without the wait, what the engine published before the subscription reached it (milliseconds, seconds when
+        the machine is loaded) was lost without a gap to show for it: ZMQ's slow joiner. The proxy's views then missed the first prompts'
         blocks."""
         try:
             import zmq  # noqa: F401
