@@ -43,6 +43,22 @@ class LoopClock:
         return asyncio.get_running_loop().call_later(delay, callback, *args)
 
 
+async def sleep(clock: Clock, seconds: float) -> None:
+    """Wait ``seconds`` by ``clock``: like ``asyncio.sleep`` on the loop's clock; on a manual one, until it is
+    advanced past them."""
+    woken: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    def wake() -> None:
+        if not woken.done():
+            woken.set_result(None)
+
+    timer = clock.call_later(seconds, wake)
+    try:
+        await woken
+    finally:
+        timer.cancel()
+
+
 class _ManualTimer:
     __slots__ = ("args", "callback", "cancelled")
 

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cpmemory.errors import CpMemoryError, InvalidInputError
+from cpmemory.server.clock import Clock, LoopClock, sleep
 
 logger = logging.getLogger(__name__)
 MAX_PENDING_REGISTRATIONS = 1024
@@ -62,6 +63,7 @@ class KVSyncHub:
         tokenizer: a :class:`~cpmemory.engines.local_tokenizer.LocalTokenizer` of the served model: prompts are
             tokenized here instead of by the replica's ``/tokenize`` (None: ask the replica).
         failures: registrations or tokenizations that failed (they only cost reuse).
+        clock: the time attribution waits by (the event loop's; a ``ManualClock`` in tests).
     """
 
     memory: Any
@@ -70,6 +72,7 @@ class KVSyncHub:
     view: Any = None
     tokenizer: Any = None
     failures: int = 0
+    clock: Clock = field(default_factory=LoopClock)
     _replicas: dict[int, _Replica] = field(default_factory=dict)
     _pending: set[asyncio.Task] = field(default_factory=set)
     _http: Any = None
@@ -195,7 +198,7 @@ class KVSyncHub:
         for delay in ATTRIBUTE_RETRY_S:  # the replica's events may trail its answer by a few milliseconds
             if replica is not None:
                 break
-            await asyncio.sleep(delay)
+            await sleep(self.clock, delay)
             replica = self.locate(prompt)
         self.register_hashes(replica, request_id, prompt.keys, tenant)
         found(replica)

@@ -55,20 +55,29 @@ async def test_a_turn_is_attributed_when_its_replicas_events_trail_the_answer_by
 
     from cpmemory.engines.block_hashes import BlockHasher
     from cpmemory.engines.eviction_sync import EvictionSync
+    from cpmemory.server.clock import ManualClock
 
     view = EventPrefixView(2)
     hub = hub_with(view)
+    hub.clock = clock = ManualClock()
     hub.tokenizer = _Tokenizer()
     for state in hub._replicas.values():
         state.sync = EvictionSync(None, BlockHasher(16))  # type: ignore[arg-type]
     keys = tuple(BlockHasher(16).hashes(list(range(48))))
     found: list[int | None] = []
     hub.attribute_later("req-1", {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}, "t", found.append)
-    asyncio.get_running_loop().call_later(1.2, store, view, 1, keys, 1)
-    for _ in range(100):
-        if found:
-            break
-        await asyncio.sleep(0.1)
+
+    async def step(seconds: float) -> None:
+        for _ in range(10):
+            await asyncio.sleep(0)
+        clock.advance(seconds)
+        for _ in range(10):
+            await asyncio.sleep(0)
+
+    await step(1.2)  # the first waits pass without events
+    assert found == []
+    store(view, 1, keys, 1)  # the replica's events arrive a second and more after the answer
+    await step(10.0)
     assert found == [1]
     assert "req-1" in hub._replicas[1].sync._requests
     assert "req-1" not in hub._replicas[0].sync._requests  # registered where it was served, nowhere else
