@@ -11,13 +11,13 @@ Layers (nothing here imports the proxy; the proxy imports :mod:`cpmemory.hosted.
 ``cpmemory.testing.hosted_mock`` serves both providers' caching rules locally for tests and ``bench hosted``.
 """
 from cpmemory.hosted.anthropic_body import CONVERSATION_PLACEMENT, CPMEMORY_PLACEMENT, MAX_BREAKPOINTS
-from cpmemory.hosted.chat import HostedChat, HostedTurn
+from cpmemory.hosted.chat import AsyncHostedChat, HostedChat, HostedTurn
 from cpmemory.hosted.prices import DEFAULT_PRICES, HostedUsage, Price, PriceTable, UsageTotals
 from cpmemory.hosted.provider import HostedProvider, HostedRequest, HostedSettings
 from cpmemory.hosted.transport import HostedTransport
 
 __all__ = [
-    "CONVERSATION_PLACEMENT", "CPMEMORY_PLACEMENT", "DEFAULT_PRICES", "MAX_BREAKPOINTS", "HostedChat",
-    "HostedProvider", "HostedRequest", "HostedSettings", "HostedTransport", "HostedTurn", "HostedUsage", "Price",
-    "PriceTable", "UsageTotals",
+    "CONVERSATION_PLACEMENT", "CPMEMORY_PLACEMENT", "DEFAULT_PRICES", "MAX_BREAKPOINTS", "AsyncHostedChat",
+    "HostedChat", "HostedProvider", "HostedRequest", "HostedSettings", "HostedTransport", "HostedTurn", "HostedUsage",
+    "Price", "PriceTable", "UsageTotals",
 ]
