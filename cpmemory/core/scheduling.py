@@ -40,7 +40,7 @@ class ReleasePlan:
         lanes: per position, the lane (replica of the window's split, numbered from 0) it runs on, or None where the
             router decides (the window was not split, or the request has no blocks).
         orders: per position, the planned order of its blocks (their keys; empty when not given): what the hold's
-            pick per free replica (``--hold-pick``) compares with what each replica was sent.
+            pick per free replica (``--hold pick``) compares with what each replica was sent.
     """
 
     order: tuple[int, ...]

@@ -109,7 +109,7 @@ def create_app(
     if config.upstream is not None and config.cache_salt:
         logger.info("requests to %s carry per-tenant cache salts; a gateway that cannot hash them (vllm-router "
                     "kv_aware) routes them without its prefix score: a single-tenant proxy can run with "
-                    "--no-cache-salt", config.upstream)
+                    "--upstream-kind vllm-router", config.upstream)
     if config.upstream is not None and len(config.engines) > 1 and not config.kv_events:
         logger.warning("behind %s without the replicas' --kv-events the proxy cannot tell which replica served a "
                        "turn: cache-fit admission counts the %d replicas as one pool and no eviction is followed "

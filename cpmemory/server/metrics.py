@@ -110,7 +110,7 @@ class ProxyMetrics:
         self.hold_admitted = gauge("cpmemory_hold_admitted", "Requests admitted whose engine call has not ended",
                                    registry=registry)
         self.hold_tokens = gauge("cpmemory_hold_tokens", "Estimated prompt tokens of the admitted requests whose "
-                                 "engine call has not ended (--hold-fit bounds them by the replicas' KV caches)",
+                                 "engine call has not ended (the hold's token bound keeps them within the replicas' KV caches)",
                                  registry=registry)
         self.hold_seconds = histogram("cpmemory_hold_seconds", "How long a held request waited",
                                       buckets=HOLD_BUCKETS, registry=registry)

@@ -69,9 +69,9 @@ class TurnPlacement:
     @property
     def needs_calibration(self) -> bool:
         """Whether a request should calibrate the token estimate (:meth:`calibrate_estimate`): the hold queue counts
-        tokens (``--hold-fit``: it decides on the estimate before any answer), cache-fit admission knows the caches'
+        tokens (``hold.token_bound``: it decides on the estimate before any answer), cache-fit admission knows the caches'
         sizes, the proxy can count (``engine_budget``), and no count has answered or failed yet. Without
-        ``--hold-fit`` the estimate is left to the answers, as before: first turns never wait for admission, so
+        the token bound the estimate is left to the answers, as before: first turns never wait for admission, so
         nothing decides on it before an answer."""
         fit, hold = self.fit, self.hold
         return (hold is not None and hold.counts_tokens and fit is not None and fit.sized and not fit.calibrated
@@ -84,7 +84,7 @@ class TurnPlacement:
         whole proxy: requests that arrive meanwhile wait for it, at most ``CALIBRATION_WAIT_S``; a count that fails
         is not retried (the answers' usage moves the estimate, as without the count).
 
-        Why. The hold's token bound (``--hold-fit``) and cache-fit admission estimate a prompt's tokens from its
+        Why. The hold's token bound and cache-fit admission estimate a prompt's tokens from its
         characters before it is sent; until an answer came back that estimate was the default, four characters a
         token. A burst reaching a fresh proxy arrives before any answer: with the bench model's tokenizer (2.7
         characters a token) the bound let in 8 LoCoMo prompts where the caches hold 6, unplanned."""
