@@ -20,6 +20,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import typer
 
 from cpmemory.bench.loaders import default_data_dir
@@ -36,7 +37,7 @@ from cpmemory_benchmarks.accuracy_run import (
     pending,
     served_model,
 )
-from cpmemory_benchmarks.accuracy_stats import means, paired, score
+from cpmemory_benchmarks.accuracy_stats import bootstrap_ci, means, paired, score
 
 ENGINE_ENV = "CPM_REAL_MODEL_URL"
 ANNOTATION = "cpmemory-vs-reordered"
@@ -54,15 +55,26 @@ def _subset(rows: Sequence[Mapping[str, Record]], conditions: Sequence[str]) -> 
     scores = {c: [score(row[c].answer, row[c].golds) for row in rows] for c in conditions}
     tokens = {c: [float(row[c].answer_tokens) for row in rows] for c in conditions}
     comparisons: dict[str, Any] = {}
-    for condition in conditions:
-        if condition != BASELINE and BASELINE in conditions:
-            comparisons[condition] = paired(scores[BASELINE], scores[condition], tokens[BASELINE],
-                                            tokens[condition]).as_json()
+    pairs = [(BASELINE, c, c) for c in conditions if c != BASELINE and BASELINE in conditions]
     if "cpmemory" in conditions and "reordered" in conditions:
-        comparisons[ANNOTATION] = paired(scores["reordered"], scores["cpmemory"], tokens["reordered"],
-                                         tokens["cpmemory"]).as_json()
+        pairs.append(("reordered", "cpmemory", ANNOTATION))
+    for first, second, name in pairs:
+        comparisons[name] = paired(scores[first], scores[second], tokens[first], tokens[second]).as_json()
+        margins = [(_margin(row[first]), _margin(row[second])) for row in rows]
+        shifts = [b - a for a, b in margins if a is not None and b is not None]
+        if shifts:  # yes/no questions: how far the condition moved the model's Yes-against-No logprob margin
+            low, high = bootstrap_ci(shifts)
+            comparisons[name].update(yes_margin_diff=round(float(np.mean(shifts)), 4),
+                                     yes_margin_ci=[round(low, 4), round(high, 4)], yes_margin_n=len(shifts))
     return {"n": len(rows), "conditions": {c: means(scores[c], tokens[c]) for c in conditions},
             "paired": comparisons}
+
+
+def _margin(record: Record) -> float | None:
+    """A yes/no answer's log-odds of Yes against No (None when either was outside the top logprobs)."""
+    if record.yes_logprob is None or record.no_logprob is None:
+        return None
+    return record.yes_logprob - record.no_logprob
 
 
 def summarize(prompts: Sequence[Mapping[str, Prompt]], done: Mapping[tuple[str, str, str], Record],

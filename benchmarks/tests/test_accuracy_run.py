@@ -110,6 +110,7 @@ def test_errors_and_empty_answers_are_counted_not_scored(tmp_path: Path) -> None
     assert figures["conditions"]["original"]["contain"] == 1.0
     diff = figures["paired"]["cpmemory"]
     assert diff["f1_diff"] == 0.0 and diff["mcnemar_p"] == 1.0
+    assert (diff["yes_margin_n"], diff["yes_margin_diff"]) == (1, 0.0)  # the same logprobs under every condition
 
 
 def test_unreachable_engine_is_an_error_record(tmp_path: Path) -> None:
