@@ -121,6 +121,8 @@ class HostedProvider:
         translated = anthropic_request({name: value for name, value in body.items() if name != "stream"},
                                        model=settings.model, placement=settings.placement, ttl=settings.ttl,
                                        default_max_tokens=settings.max_tokens)
+        if body.get("stream") is True:
+            translated["stream"] = True
         if not translated.get("model"):
             raise InvalidInputError("a model is required (the request's or HostedSettings.model)")
         headers = {"x-api-key": key, "anthropic-version": ANTHROPIC_VERSION, "content-type": "application/json"}

@@ -4,8 +4,8 @@ provider's API upstream while the proxy keeps speaking the OpenAI-compatible API
 Every answer comes back OpenAI-shaped, with the provider's cache counts in ``usage`` and a ``cpmemory.hosted``
 object (tokens read, written and uncached, the estimated input cost) that the proxy merges into the turn's
 ``cpmemory`` field (:func:`upstream_info`); the totals go to ``/metrics`` (:class:`HostedCounters`).
-A streamed request to OpenAI is relayed as OpenAI streams it (its usage chunk is read on the way); Anthropic is
-asked once, without streaming, and its answer relayed as one OpenAI chunk stream.
+A streamed request to OpenAI is relayed as OpenAI streams it (its usage chunk is read on the way); Anthropic's event
+stream is translated to OpenAI chunks as it arrives (the usage, with ``cpmemory.hosted``, in the last chunk).
 
 Errors: ``EngineUnreachableError`` (connection, timeout, 502-504) and ``EngineStatusError`` (any other error
 status: a refused key, a bad request, a rate limit), as from a self-hosted engine.
@@ -109,30 +109,73 @@ class _OpenAIStream:
         await self._response.aclose()
 
 
-class _ReplayStream:
-    """A complete OpenAI-style answer relayed as a chunk stream (role, content, finish, usage, done)."""
+def _chunk(base: Mapping[str, Any], **fields: Any) -> bytes:
+    return f"data: {json.dumps({**base, **fields})}\n\n".encode()
 
-    def __init__(self, answer: Mapping[str, Any]) -> None:
-        self._answer = answer
+
+class _AnthropicStream:
+    """Anthropic's Messages event stream relayed as OpenAI chunks: the role at ``message_start``, each text delta,
+    the finish reason at ``message_delta``, and at ``message_stop`` the usage (with ``cpmemory.hosted``) and
+    ``[DONE]``; the call is counted there."""
+
+    def __init__(self, response: Any, transport: HostedTransport, request: HostedRequest) -> None:
+        self._response = response
+        self._transport = transport
+        self._request = request
+        self._pending = b""
+        self._message: dict[str, Any] = {}
+        self._usage: dict[str, Any] = {}
+        self._stop: Any = None
+        self._base: dict[str, Any] = {"object": "chat.completion.chunk", "created": int(time.time())}
 
     async def aiter_bytes(self) -> AsyncIterator[bytes]:
-        answer = self._answer
-        base = {"id": answer.get("id"), "object": "chat.completion.chunk", "created": answer.get("created"),
-                "model": answer.get("model")}
-        choice = answer["choices"][0]
-        chunks = [
-            {**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]},
-            {**base, "choices": [{"index": 0, "delta": {"content": choice["message"]["content"]},
-                                  "finish_reason": None}]},
-            {**base, "choices": [{"index": 0, "delta": {}, "finish_reason": choice.get("finish_reason")}]},
-            {**base, "choices": [], "usage": answer.get("usage"), "cpmemory": answer.get("cpmemory")},
-        ]
-        for chunk in chunks:
-            yield f"data: {json.dumps(chunk)}\n\n".encode()
-        yield b"data: [DONE]\n\n"
+        async for chunk in self._response.aiter_bytes():
+            lines = (self._pending + chunk).split(b"\n")
+            self._pending = lines.pop()
+            for line in lines:
+                if line.startswith(b"data:"):
+                    try:
+                        event = json.loads(line[5:].strip())
+                    except ValueError:
+                        continue
+                    out = self._translate(event) if isinstance(event, Mapping) else b""
+                    if out:
+                        yield out
+
+    def _translate(self, event: Mapping[str, Any]) -> bytes:
+        kind = event.get("type")
+        if kind == "message_start" and isinstance(event.get("message"), Mapping):
+            self._message = dict(event["message"])
+            self._usage = dict(self._message.get("usage") or {})
+            self._base.update(id=self._message.get("id"), model=self._message.get("model"))
+            return _chunk(self._base, choices=[{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                                "finish_reason": None}])
+        if kind == "content_block_delta":
+            delta = event.get("delta") or {}
+            if delta.get("type") == "text_delta" and delta.get("text"):
+                return _chunk(self._base, choices=[{"index": 0, "delta": {"content": delta["text"]},
+                                                    "finish_reason": None}])
+            return b""
+        if kind == "message_delta":
+            self._usage.update(event.get("usage") or {})
+            self._stop = (event.get("delta") or {}).get("stop_reason")
+            return b""
+        if kind == "message_stop":
+            return self._finish()
+        if kind == "error":
+            raise EngineUnreachableError(f"anthropic stream error: {event.get('error')}")
+        return b""
+
+    def _finish(self) -> bytes:
+        message = {**self._message, "content": [], "stop_reason": self._stop, "usage": self._usage}
+        answer = self._transport._answer({}, self._request, message)
+        finish = answer["choices"][0]["finish_reason"]
+        return (_chunk(self._base, choices=[{"index": 0, "delta": {}, "finish_reason": finish}])
+                + _chunk(self._base, choices=[], usage=answer["usage"], cpmemory=answer["cpmemory"])
+                + b"data: [DONE]\n\n")
 
     async def aclose(self) -> None:
-        return None
+        await self._response.aclose()
 
 
 class HostedTransport:
@@ -193,11 +236,11 @@ class HostedTransport:
         self, base_url: str, payload: Mapping[str, Any], headers: Mapping[str, str], timeout_s: float
     ) -> Any:
         """Open a streamed answer (see the module docstring)."""
-        if self.provider.name != "openai":
-            return _ReplayStream(await self.complete(base_url, payload, headers, timeout_s))
         request = self._request(payload)
-        model = str(request.body.get("model") or "")
         response = await self._post(request, timeout_s, stream=True)
+        if self.provider.name != "openai":
+            return _AnthropicStream(response, self, request)
+        model = str(request.body.get("model") or "")
         return _OpenAIStream(response, lambda usage: self.counters.add(self.provider, parse_hosted_usage(usage),
                                                                        model))
 

@@ -379,8 +379,29 @@ class AnthropicCacheMock(_Mock):
                  "cache_creation": {"ephemeral_5m_input_tokens": counts["ephemeral_5m"],
                                     "ephemeral_1h_input_tokens": counts["ephemeral_1h"]}}
         self.calls.append(_Call(usage, body))
+        if body.get("stream"):
+            return self._stream(body, text, usage)
         return _Reply(200, json={
             "id": f"msg_mock{len(self.calls)}", "type": "message", "role": "assistant", "model": body["model"],
             "content": [{"type": "text", "text": text}], "stop_reason": "end_turn", "stop_sequence": None,
             "usage": usage,
         })
+
+    def _stream(self, body: Mapping[str, Any], text: str, usage: dict[str, Any]) -> _Reply:
+        """The Messages API's event stream: the input usage in ``message_start``, the output in ``message_delta``."""
+        start_usage = {**usage, "output_tokens": 1}
+        events = [
+            ("message_start", {"type": "message_start", "message": {
+                "id": f"msg_mock{len(self.calls)}", "type": "message", "role": "assistant", "model": body["model"],
+                "content": [], "stop_reason": None, "stop_sequence": None, "usage": start_usage}}),
+            ("content_block_start", {"type": "content_block_start", "index": 0,
+                                     "content_block": {"type": "text", "text": ""}}),
+            ("content_block_delta", {"type": "content_block_delta", "index": 0,
+                                     "delta": {"type": "text_delta", "text": text}}),
+            ("content_block_stop", {"type": "content_block_stop", "index": 0}),
+            ("message_delta", {"type": "message_delta", "delta": {"stop_reason": "end_turn", "stop_sequence": None},
+                               "usage": {"output_tokens": usage["output_tokens"]}}),
+            ("message_stop", {"type": "message_stop"}),
+        ]
+        payload = "".join(f"event: {name}\ndata: {json.dumps(data)}\n\n" for name, data in events)
+        return _Reply(200, content=payload.encode(), headers={"content-type": "text/event-stream"})

@@ -223,3 +223,24 @@ def test_anthropic_looks_back_a_bounded_number_of_blocks() -> None:
         case.send(mock, base, placement=CONVERSATION_PLACEMENT)
         usage = case.send(mock, [*base, *later], placement=CONVERSATION_PLACEMENT)
         assert (usage.cache_read_tokens > 0) is found, added
+
+
+def test_a_streamed_call_reports_the_same_cache_counts(case: Case) -> None:
+    """The SDK's own stream reader takes the stand-in's events; its usage matches a plain call's."""
+    mock = case.make(ManualClock())
+    messages = chat(words(100, "s"), words(2000, "d"))
+    case.send(mock, messages)
+    body = HostedProvider(HostedSettings(provider=case.name, api_key="test-key")).request(
+        {"model": case.model, "messages": messages, "stream": True}).body
+    if case.name == "openai":
+        chunks = list(openai_client(mock).chat.completions.create(**body, stream_options={"include_usage": True}))
+        text = "".join(choice.delta.content or "" for chunk in chunks for choice in chunk.choices)
+        usage = parse_hosted_usage(chunks[-1].usage.model_dump())
+    else:
+        body.pop("stream")
+        with anthropic_client(mock).messages.stream(**body) as stream:
+            final = stream.get_final_message()
+        text = final.content[0].text
+        usage = parse_hosted_usage(final.usage.model_dump())
+    assert text == "OK."
+    assert usage == case.send(mock, messages)
