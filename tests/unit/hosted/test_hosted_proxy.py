@@ -100,3 +100,21 @@ async def test_the_provider_receives_its_own_api() -> None:
         assert sent["max_tokens"] == 1024 and "cpmemory" not in sent
     finally:
         await proxy.aclose()
+
+
+async def test_stateless_calls_that_share_a_prefix_share_the_cache() -> None:
+    """A plain request (no conversation) gets the key of its prompt's start: calls that open with the same
+    context reach the same cache."""
+    proxy = HostedProxy("openai")
+    try:
+        context = document("a", 1500)["text"]
+        for question in ("Who is a0?", "Who is a1?"):
+            answer = await proxy.sdk.chat.completions.create(
+                model=proxy.model, messages=[{"role": "system", "content": "Answer from the context."},
+                                             {"role": "user", "content": f"{context}\n\nQuestion: {question}"}])
+        keys = {call.body["prompt_cache_key"] for call in proxy.mock.calls}
+        assert len(keys) == 1
+        assert answer.usage.prompt_tokens_details.cached_tokens >= 1024
+        assert answer.model_extra["cpmemory"]["hosted"]["cached_input_tokens"] >= 1024
+    finally:
+        await proxy.aclose()
