@@ -12,7 +12,6 @@ from cpmemory.errors import (
     InvalidBlockError,
     InvalidIdentifierError,
     InvalidInputError,
-    StoreUnavailableError,
     UnknownReservationError,
 )
 from cpmemory.stores.memory import InMemorySessionStore
