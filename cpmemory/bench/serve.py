@@ -424,7 +424,7 @@ def command(
     max_tokens: int = typer.Option(8, "--max-tokens", min=1, help="Tokens generated per request."),
     timeout: float = typer.Option(300.0, "--timeout", min=0.1, help="Deadline of one request (s)."),
     engine_timeout: float = typer.Option(120.0, "--engine-timeout", min=0.1, help="Per-call engine timeout (s)."),
-    strategies: str = typer.Option(",".join(STRATEGIES), "--strategies", help="Comma-separated, in run order (original, cpmemory, cpmemory-nofit: the proxy without cache-fit admission, cpmemory-nomove: without its moves; cpmemory-nosplit: the hold queue without its split over replicas; cpmemory-nohold: the proxy without the hold queue of --max-in-flight or --hold-fit; cpmemory-nopick: the hold queue releasing whole windows instead of --hold-pick's pick; original-priority: original with vLLM priorities by new prompt length)."),
+    strategies: str = typer.Option(",".join(STRATEGIES), "--strategies", help="Comma-separated, in run order (original, cpmemory, cpmemory-nofit: the proxy without cache-fit admission, cpmemory-nomove: without its moves; cpmemory-nosplit: the hold queue without its split over replicas; cpmemory-nohold: the proxy without the hold queue of --hold; cpmemory-nopick: whole windows with the bounds of --hold pick; original-priority: original with vLLM priorities by new prompt length)."),
     model: str = typer.Option("tiny", "--model", help="Served model name."),
     multi_turn: bool | None = typer.Option(None, "--multi-turn/--independent", help="Override the trace's flag."),
     seed: int = typer.Option(0, "--seed", help="Seed of the Poisson arrivals."),
