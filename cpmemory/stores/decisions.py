@@ -30,7 +30,7 @@ import hashlib
 import struct
 import threading
 import time
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -212,9 +212,11 @@ class GapTracker:
     once, the script deduplicates by time).
     """
 
-    __slots__ = ("_failed_at", "_lock", "_reported", "_resets")
+    __slots__ = ("_clock", "_failed_at", "_lock", "_reported", "_resets")
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        """``clock``: the monotonic time in seconds (a stepped one in tests)."""
+        self._clock = clock
         self._lock = threading.Lock()
         self._failed_at: float | None = None  # monotonic time of the last failure (None: never)
         self._reported: set[str] = set()
@@ -223,7 +225,7 @@ class GapTracker:
     def failed(self) -> None:
         """A call to Redis failed: every tenant's next decision call reports it. O(1)."""
         with self._lock:
-            self._failed_at = time.monotonic()
+            self._failed_at = self._clock()
             self._reported.clear()
 
     def distrust(self, tenant: str | None = None) -> None:
@@ -245,7 +247,7 @@ class GapTracker:
                 return RESET
             if self._failed_at is None or tenant in self._reported:
                 return ""
-            return str(max(0, round((time.monotonic() - self._failed_at) * 1000)))
+            return str(max(0, round((self._clock() - self._failed_at) * 1000)))
 
     def reported(self, tenant: str, argument: str) -> None:
         """The decision call carrying ``argument`` succeeded: the tenant knows about the gap."""

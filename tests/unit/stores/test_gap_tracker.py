@@ -1,10 +1,18 @@
 """GapTracker: what a store reports to the shared decision state after a failed call or a cleared engine cache."""
 from __future__ import annotations
 
-import time
-
 from cpmemory.stores import decisions
 from cpmemory.stores.decisions import RESET, GapTracker
+
+
+class SteppedClock:
+    """A monotonic clock the test moves forward (seconds): nothing sleeps."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
 
 
 def test_nothing_to_report_until_a_call_fails() -> None:
@@ -15,12 +23,14 @@ def test_nothing_to_report_until_a_call_fails() -> None:
 
 
 def test_after_a_failure_each_tenant_reports_once_with_the_time_since() -> None:
-    gaps = GapTracker()
+    clock = SteppedClock()
+    gaps = GapTracker(clock)
     gaps.failed()
-    time.sleep(0.02)
+    clock.now += 0.02
     first = gaps.argument("t")
-    assert first.isdigit() and int(first) >= 15
-    assert int(gaps.argument("t")) >= int(first)  # not reported yet: still due
+    assert first == "20"  # milliseconds since the failure
+    clock.now += 0.005
+    assert gaps.argument("t") == "25"  # not reported yet: still due, and the time since grows
     gaps.reported("t", first)
     assert gaps.argument("t") == ""
     assert gaps.argument("u") != ""  # another tenant still has to hear of it
