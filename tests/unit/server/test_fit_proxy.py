@@ -27,12 +27,11 @@ def body(conversation: str, turn: int, stream: bool = False) -> dict[str, Any]:
                          "blocks": [{"id": f"doc-{conversation}-{turn}", "text": text}]}}
 
 
-async def post(proxy: Any, conversation: str, turn: int, stream: bool = False) -> tuple[float, int]:
-    started = time.perf_counter()
+async def post(proxy: Any, conversation: str, turn: int, stream: bool = False) -> int:
+    """One turn; returns the replica it was sent to."""
     response = await proxy.client.post("/v1/chat/completions", json=body(conversation, turn, stream))
     assert response.status_code == 200
-    replica = int(response.headers["X-Cpmemory-Replica"]) if stream else response.json()["cpmemory"]["replica"]
-    return time.perf_counter() - started, replica
+    return int(response.headers["X-Cpmemory-Replica"]) if stream else response.json()["cpmemory"]["replica"]
 
 
 def stepped(proxy: Any) -> ManualClock:
@@ -202,16 +201,16 @@ async def test_a_conversation_outgrown_on_its_replica_moves_to_the_other_and_sta
     home = {name: ranking(conversation_affinity_key("default", name))[0] for name in names}
     older = names[0]
     younger = next(name for name in names[1:] if home[name] == home[older])
-    _, first = await post(proxy, older, 1)  # ~1,250 tokens
-    _, second = await post(proxy, younger, 1)
+    first = await post(proxy, older, 1)  # ~1,250 tokens
+    second = await post(proxy, younger, 1)
     assert first == second  # both on one replica
     for turn in (2, 3):
         await post(proxy, older, turn)  # the older one grows to ~3,700 tokens: the younger one no longer fits
-    _, moved_to = await post(proxy, younger, 2)
+    moved_to = await post(proxy, younger, 2)
     assert moved_to != first and await waits(proxy) == 0  # moved at once, not after the older one's idle window
     counts = await fit_counts(proxy)
     assert counts["moved"] == 1 and counts.get("resumed", 0) == 0
-    _, then = await post(proxy, younger, 3)
+    then = await post(proxy, younger, 3)
     assert then == moved_to  # it stays where it moved
     last = proxy.engines[moved_to].requests[-1]["body"]["messages"]  # the younger one's third turn
     blocks = [(block["id"], block["text"]) for block in body(younger, 3)["cpmemory"]["blocks"]]
