@@ -194,6 +194,11 @@ class SentPrefixView:
             _, tokens = cache.popitem(last=False)
             self._used[replica] -= tokens
 
+    def clear(self, replica: int) -> None:
+        """Forget what ``replica`` holds (its engine restarted or cleared its cache)."""
+        self._caches[replica].clear()
+        self._used[replica] = 0
+
 
 @dataclass(slots=True)
 class ReplicaSyncStats:

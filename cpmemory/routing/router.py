@@ -44,6 +44,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from cpmemory.errors import InvalidInputError, NoHealthyReplicaError
+from cpmemory.routing.fleet import FleetView, ReplicaRecord
 from cpmemory.routing.prefix import PrefixView, PromptBlocks, Weights, replica_score
 
 RouteReason = Literal["affinity", "prefix", "cold", "load", "failover", "fit", "lane"]
@@ -102,11 +103,18 @@ def _weight(key: str, url: str) -> int:
 @dataclass(slots=True)
 class _ReplicaState:
     url: str
+    record: ReplicaRecord  # its load, in the fleet's record (cpmemory.routing.fleet)
     healthy: bool = True
-    in_flight: int = 0
-    requests: int = 0
     failures: int = 0
     down_since: float | None = None
+
+    @property
+    def in_flight(self) -> int:
+        return self.record.in_flight
+
+    @property
+    def requests(self) -> int:
+        return self.record.requests
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,10 +160,13 @@ class Router:
         config: RouterConfig | None = None,
         clock: Callable[[], float] = time.monotonic,
         view: PrefixView | None = None,
+        fleet: FleetView | None = None,
     ) -> None:
         """Create a router over ``urls`` (base URLs, e.g. ``http://127.0.0.1:8000``); no IO.
 
         ``view`` is what the router knows of the replicas' caches (None: prefix routing is off; keys decide).
+        ``fleet`` holds the replicas' records the router counts their load in and reads their caches from (its
+        ``blocks`` is ``view`` when ``view`` is given; None: a fleet of its own).
 
         Raises:
             InvalidInputError: no URL, or a repeated URL.
@@ -167,12 +178,23 @@ class Router:
             raise InvalidInputError("engine URLs must be distinct")
         self.config = config or RouterConfig()
         self._clock = clock
-        self._replicas = [_ReplicaState(url) for url in cleaned]
+        self.fleet = fleet if fleet is not None else FleetView(len(cleaned))
+        if view is not None:
+            self.fleet.blocks = view
+        self._replicas = [_ReplicaState(url, self.fleet.record(position)) for position, url in enumerate(cleaned)]
         self._by_url = {state.url: position for position, state in enumerate(self._replicas)}
-        self.view = view
         self._sticky: OrderedDict[str, int] = OrderedDict()
         cfg = self.config
         self._weights = Weights(cfg.prefix_weight, cfg.queue_weight, cfg.kv_weight)
+
+    @property
+    def view(self) -> PrefixView | None:
+        """What the router knows of the replicas' caches: the fleet's block view."""
+        return self.fleet.blocks
+
+    @view.setter
+    def view(self, view: PrefixView | None) -> None:
+        self.fleet.blocks = view
 
     @property
     def urls(self) -> tuple[str, ...]:
@@ -311,8 +333,8 @@ class Router:
             self._sticky.move_to_end(key)
             while len(self._sticky) > self.config.sticky_keys:
                 self._sticky.popitem(last=False)
-        if prompt is not None and self.view is not None:
-            self.view.record(decision.index, prompt)
+        if prompt is not None:
+            self.fleet.send(decision.index, prompt)
 
     def _overloaded(self, preferred_load: int, least_load: int) -> bool:
         gap_exceeded = preferred_load - least_load > self.config.balance_abs_threshold
@@ -320,14 +342,11 @@ class Router:
 
     def begin(self, url: str) -> None:
         """Count one request in flight on ``url`` (call ``end`` when it finishes, success or not)."""
-        state = self._state(url)
-        state.in_flight += 1
-        state.requests += 1
+        self.fleet.begin(self._position(url))
 
     def end(self, url: str) -> None:
         """Count one request on ``url`` as finished."""
-        state = self._state(url)
-        state.in_flight = max(0, state.in_flight - 1)
+        self.fleet.end(self._position(url))
 
     def mark_down(self, url: str) -> None:
         """Take ``url`` out of rotation (connection error, timeout) until ``mark_up`` or a successful probe."""
@@ -373,8 +392,11 @@ class Router:
                 recovered.append(state.url)
         return recovered
 
-    def _state(self, url: str) -> _ReplicaState:
+    def _position(self, url: str) -> int:
         position = self._by_url.get(url.rstrip("/"))
         if position is None:
             raise InvalidInputError(f"unknown replica {url!r}")
-        return self._replicas[position]
+        return position
+
+    def _state(self, url: str) -> _ReplicaState:
+        return self._replicas[self._position(url)]

@@ -11,12 +11,13 @@ from cpmemory.core.blocks import Block
 from cpmemory.core.scheduling import ReleasePlan
 from cpmemory.engines.client import AsyncEngineClient, EngineSettings
 from cpmemory.errors import CpMemoryError
+from cpmemory.routing.fleet import FleetView
 from cpmemory.routing.router import Router
 from cpmemory.server.config import ServerConfig
 from cpmemory.server.fit import CacheFit, FitSettings
 from cpmemory.server.hold import HoldQueue, Planner
 from cpmemory.server.metrics import ProxyMetrics
-from cpmemory.server.pick import PickRelease, SentOrders
+from cpmemory.server.pick import PickRelease
 from cpmemory.server.service import ProxyService, TurnMemory
 
 logger = logging.getLogger(__name__)
@@ -53,34 +54,41 @@ def build_planner(config: ServerConfig, memory: TurnMemory, router: Router,
 
 def build_hold(config: ServerConfig, memory: TurnMemory, router: Router, metrics: ProxyMetrics,
                cache_tokens: Callable[[], int | None] | None = None,
-               sent_orders: SentOrders | None = None) -> HoldQueue | None:
+               fleet: FleetView | None = None) -> HoldQueue | None:
     """The hold queue of ``config.hold`` (None when its policy is ``off``): its bounds are the policy's
     (``HoldConfig.settings``), the count bound scaling with the healthy replicas and the token bound reading
-    ``cache_tokens()``; ``pick`` picks by ``sent_orders`` (built by :func:`build_sent_orders`)."""
+    ``cache_tokens()``; ``pick`` picks by the block orders ``fleet`` follows (:func:`build_fleet`) and counts
+    what it released in the fleet's records."""
     settings = config.hold.settings()
     if settings is None:
         return None
     planner = build_planner(config, memory, router, cache_tokens)
-    policy = None if sent_orders is None or planner is None else PickRelease(sent_orders.cached,
-                                                                              router.healthy_indices)
+    policy = None if fleet is None or not fleet.follow_orders or planner is None \
+        else PickRelease(fleet.cached_order, router.healthy_indices, fleet)
     return HoldQueue(settings.max_in_flight, settings.timeout_s, replicas=router.healthy_count,
                      token_budget=cache_tokens if settings.token_bound else None, planner=planner, observer=metrics,
                      policy=policy)
 
 
-def build_sent_orders(config: ServerConfig, service: ProxyService) -> SentOrders | None:
-    """The view of the block orders sent to each replica that the ``pick`` policy picks by, bounded by each
-    replica's KV cache in characters (cache-fit admission's sizes and tokens per character; unbounded while
-    unknown). None for the other policies."""
-    if config.hold.policy != "pick":
-        return None
+def build_fleet(config: ServerConfig, service: ProxyService, router: Router) -> FleetView:
+    """The router's fleet view, told each replica's KV cache in tokens (cache-fit admission's sizes; unknown
+    without them) and the tokens per character (cache-fit admission's calibration), and following the block orders
+    sent to each replica when the ``pick`` policy picks by them."""
+    fleet = router.fleet
 
-    def capacity(replica: int) -> float | None:
+    def capacity(replica: int) -> int | None:
         fit = service.fit
-        tokens = fit.capacities[replica] if fit is not None and 0 <= replica < len(fit.capacities) else None
-        return None if fit is None or tokens is None else tokens / max(fit.tokens_per_char, 1e-6)
+        return fit.capacities[replica] if fit is not None and 0 <= replica < len(fit.capacities) else None
 
-    return SentOrders(capacity)
+    def tokens_per_char() -> float:
+        fit = service.fit
+        return fleet_tokens_per_char() if fit is None else max(fit.tokens_per_char, 1e-6)
+
+    fleet_tokens_per_char = fleet.tokens_per_char
+    fleet.capacity_tokens = capacity
+    fleet.tokens_per_char = tokens_per_char
+    fleet.follow_orders = config.hold.policy == "pick"
+    return fleet
 
 
 def fleet_cache_tokens(config: ServerConfig, fit: CacheFit | None) -> int | None:

@@ -33,10 +33,10 @@ from cpmemory.server.assembly import (
     AUTO_TOKENIZER,
     adopt_engine_tokenizer,
     build_fit,
+    build_fleet,
     build_hold,
     build_memory,
     build_salts,
-    build_sent_orders,
     build_tokenizer,
     build_view,
     close_store,
@@ -117,10 +117,10 @@ def create_app(
                        "docs/server.md)", config.upstream, len(config.engines))
     service.fit = build_fit(config, metrics)
     service.gateway_replicas = len(config.engines) if config.attributes_gateway else 0
-    service.sent_orders = build_sent_orders(config, service)
+    service.fleet = build_fleet(config, service, router)
     service.hold = build_hold(config, service.memory, router, metrics,
                               cache_tokens=lambda: fleet_cache_tokens(config, service.fit),
-                              sent_orders=service.sent_orders)
+                              fleet=service.fleet)
     tokenizer = build_tokenizer(config)
     metrics.local_tokenizer.set(1 if tokenizer is not None else 0)
     http_client = getattr(dispatcher.transport, "client", None)

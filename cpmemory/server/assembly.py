@@ -13,8 +13,8 @@ from cpmemory.errors import EngineError, EngineUnreachableError
 from cpmemory.routing.prefix import EventPrefixView, PrefixView, SentPrefixView
 from cpmemory.server.admission import (  # noqa: F401 - admission is assembled there (re-exported)
     build_fit,
+    build_fleet,
     build_hold,
-    build_sent_orders,
     fleet_cache_tokens,
     size_fit,
 )

@@ -1,5 +1,5 @@
 """The ``pick`` hold policy (:class:`PickRelease`, ``--hold pick``) and the view it scores with: what each replica
-was sent, block by block (:class:`SentOrders`).
+was sent, block by block (the order index of the fleet's records, :class:`~cpmemory.routing.fleet.SentOrders`).
 
 The hold picks, for a replica with room, the held request whose planned block order finds the longest prefix that
 replica caches. Held requests are not prepared yet, so they have no prompt to tokenize and hash as the router's
@@ -8,7 +8,7 @@ orders of the prompts sent there that open a conversation (the system prompt, th
 prefix the engine caches), as chained prefixes: prefix *i* of an order names its first *i + 1* blocks, and a
 request's cached share on a replica is the size of the longest run of its order's prefixes that replica holds.
 
-Like vLLM's cache, each replica's prefixes are bounded by its KV cache (in the unit of the block sizes, characters),
+Like vLLM's cache, each replica's prefixes are bounded by its KV cache (in tokens, cpmemory.routing.fleet),
 least recently used first, the deepest blocks of an order before its first ones (an engine frees a request's blocks
 tail first). It follows what was sent, not the engine's own evictions: a model of the cache, as the window
 planner's is (``OnlineOrderer.cached_estimate``). Use from one event loop.
@@ -19,10 +19,13 @@ from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
 from typing import TYPE_CHECKING
 
+from cpmemory.routing.fleet import FleetView, SentOrders
 from cpmemory.server.release import Admission, AdmissionReason, LaneMap
 
 if TYPE_CHECKING:
     from cpmemory.server.hold import Held, HoldQueue
+
+__all__ = ["LANE_CLAIMS", "PickRelease", "PickView", "SentOrders"]
 
 PickView = Callable[[int, Sequence[Hashable]], float]
 """``cached(replica, order)``: how much of a planned block order ``replica`` holds as a prefix (a
@@ -30,69 +33,6 @@ PickView = Callable[[int, Sequence[Hashable]], float]
 
 LANE_CLAIMS = 4096
 """Plan lanes whose replica a pick remembers (the latest)."""
-
-
-class SentOrders:
-    """Per replica, the block orders sent there, bounded by its cache, least recently used dropped first.
-
-    Args:
-        capacity: the size a replica's cache holds, in the unit of the block sizes (None: unbounded, e.g. while
-            the engine's cache size is unknown).
-    """
-
-    def __init__(self, capacity: Callable[[int], float | None]) -> None:
-        self._capacity = capacity
-        self._replicas: dict[int, OrderedDict[int, float]] = {}
-        self._totals: dict[int, float] = {}
-
-    @staticmethod
-    def _chain(keys: Sequence[Hashable]) -> list[int]:
-        chained, parent = [], 0
-        for key in keys:
-            parent = hash((parent, key))
-            chained.append(parent)
-        return chained
-
-    def record(self, replica: int, keys: Sequence[Hashable], sizes: Sequence[float]) -> None:
-        """A prompt whose blocks ``keys`` (of ``sizes``), in this order, follow the system prompt was sent to
-        ``replica``. O(len(keys)) plus what is dropped."""
-        if len(keys) != len(sizes):
-            raise ValueError("record needs one size per key")
-        prefixes = self._replicas.setdefault(replica, OrderedDict())
-        total = self._totals.get(replica, 0.0)
-        chained = self._chain(keys)
-        for prefix, size in zip(reversed(chained), reversed(sizes)):  # the first block ends most recent
-            if prefix in prefixes:
-                prefixes.move_to_end(prefix)
-            else:
-                prefixes[prefix] = float(size)
-                total += float(size)
-        capacity = self._capacity(replica)
-        while capacity is not None and total > capacity and prefixes:
-            total -= prefixes.popitem(last=False)[1]
-        self._totals[replica] = total
-
-    def cached(self, replica: int, keys: Sequence[Hashable]) -> float:
-        """The size of the longest prefix of the order ``keys`` that ``replica`` holds. Pure; O(its length)."""
-        prefixes = self._replicas.get(replica)
-        if not prefixes:
-            return 0.0
-        found = 0.0
-        for prefix in self._chain(keys):
-            size = prefixes.get(prefix)
-            if size is None:
-                break
-            found += size
-        return found
-
-    def held(self, replica: int) -> float:
-        """The size of what ``replica`` holds in this view."""
-        return self._totals.get(replica, 0.0)
-
-    def clear(self, replica: int) -> None:
-        """Forget what ``replica`` holds (its engine restarted or cleared its cache)."""
-        self._replicas.pop(replica, None)
-        self._totals.pop(replica, None)
 
 
 class PickRelease:
@@ -114,14 +54,17 @@ class PickRelease:
     Args:
         view: ``view(replica, order)``: how much of a planned block order ``replica`` holds as a prefix.
         healthy: the indices of the replicas in rotation.
+        fleet: the replicas' records, where the requests and tokens the pick released to each and that have not
+            ended are counted (None: a fleet of its own).
     """
 
     admits_at_once = False
 
-    def __init__(self, view: PickView, healthy: Callable[[], Sequence[int]]) -> None:
+    def __init__(self, view: PickView, healthy: Callable[[], Sequence[int]], fleet: FleetView | None = None
+                 ) -> None:
         self._view = view
         self._healthy = healthy
-        self._on: dict[int, list[int]] = {}  # replica -> [requests, tokens] the pick released there, not ended
+        self._fleet = fleet if fleet is not None else FleetView(0)
         self._claims: OrderedDict[tuple[int, int], int] = OrderedDict()  # (plan, lane) -> its replica
         self._plans = 0
         self._ranks = 0
@@ -132,19 +75,14 @@ class PickRelease:
 
     def finished(self, queue: HoldQueue, tokens: int, replica: int | None) -> None:
         """A request of the pick ended on ``replica``: that replica may take the next."""
-        if replica is not None and replica in self._on:
-            counts = self._on[replica]
-            counts[0], counts[1] = max(0, counts[0] - 1), max(0, counts[1] - tokens)
+        if replica is not None:
+            self._fleet.unpicked(replica, tokens)
         self._take(queue)
 
     def moved(self, queue: HoldQueue, old: int, new: int, tokens: int) -> None:
         """A picked request runs on ``new``, not on ``old`` where it was counted."""
-        if old in self._on:
-            counts = self._on[old]
-            counts[0], counts[1] = max(0, counts[0] - 1), max(0, counts[1] - tokens)
-        counts = self._on.setdefault(new, [0, 0])
-        counts[0] += 1
-        counts[1] += tokens
+        self._fleet.unpicked(old, tokens)
+        self._fleet.picked(new, tokens)
         self._take(queue)
 
     def expired(self, queue: HoldQueue) -> None:
@@ -162,7 +100,8 @@ class PickRelease:
     def _room(self, queue: HoldQueue, replica: int, tokens: int) -> bool:
         """Whether ``replica`` may take one more request of ``tokens``: it runs none of the pick's, or fewer than
         ``max_in_flight`` and their tokens plus these fit its share of the token budget."""
-        count, taken = self._on.get(replica, (0, 0))
+        record = self._fleet.record(replica)
+        count, taken = record.picked, record.picked_tokens
         if count == 0:
             return True
         if queue.max_in_flight is not None and count >= queue.max_in_flight:
@@ -208,9 +147,7 @@ class PickRelease:
             lanes = LaneMap()
             lanes.claim(0, replica)
             waited = queue._clock.now() - entry.arrived
-            counts = self._on.setdefault(replica, [0, 0])
-            counts[0] += 1
-            counts[1] += entry.tokens
+            self._fleet.picked(replica, entry.tokens)
             reason: AdmissionReason = "immediate" if entry is arriving else "slot"
             entry.future.set_result(queue._admit_one(Admission(reason, waited, 0, 0, lanes, queue,
                                                                _tokens=entry.tokens, _replica=replica)))

@@ -16,13 +16,13 @@ from typing import Any
 from cpmemory.engines.openai_wire import session_params
 from cpmemory.errors import NoHealthyReplicaError
 from cpmemory.routing.dispatch import Dispatcher, RouteHint
+from cpmemory.routing.fleet import FleetView
 from cpmemory.routing.prefix import content_chars, text_blocks
 from cpmemory.routing.router import conversation_affinity_key
 from cpmemory.server.budget import EngineBudget, requested_answer_tokens
 from cpmemory.server.fit import CALIBRATION_MIN_CHARS, UNGATED, CacheFit, FitSlot
 from cpmemory.server.hold import Admission, HoldQueue
 from cpmemory.server.metrics import ProxyMetrics
-from cpmemory.server.pick import SentOrders
 from cpmemory.server.schemas import ChatCompletionRequest
 from cpmemory.server.turn_request import TurnInput, request_chars
 from cpmemory.session.turns import PreparedTurn
@@ -61,7 +61,7 @@ class TurnPlacement:
         self.answer_reserve_tokens = 1024  # answer tokens reserved when a request gives no max_tokens
         self.hold: HoldQueue | None = None  # the hold-and-release queue, when max_in_flight or hold_fit is set
         self.fit: CacheFit | None = None  # cache-fit admission, when the replicas' cache sizes are known (create_app)
-        self.sent_orders: SentOrders | None = None  # the block orders sent to each replica (hold_pick)
+        self.fleet: FleetView | None = None  # the replicas' records (the block orders the pick reads)
         self.gateway_replicas = 0  # behind a gateway: the replicas whose KV events tell where a conversation went
         self._served_on: OrderedDict[str, int] = OrderedDict()  # conversation key -> the replica that served it
         self._calibration: asyncio.Future[None] | None = None  # the one count that calibrates the estimate
@@ -194,15 +194,15 @@ class TurnPlacement:
             body["session_params"] = session_params(key)
 
     def record_sent(self, replica: int | None, turn: TurnInput, prepared: PreparedTurn) -> None:
-        """Note in the view ``hold_pick`` picks by (``sent_orders``) the block order of a prompt sent to
+        """Note in the fleet's records (the order index the ``pick`` reads) the block order of a prompt sent to
         ``replica``, when the prompt opens its conversation (its blocks follow the system prompt, so their order is
         a prefix the engine caches). Nothing behind a gateway, for a degraded turn or with the view off."""
-        view = self.sent_orders
-        if view is None or replica is None or self.upstream or prepared.degraded or not prepared.opens_conversation:
+        fleet = self.fleet
+        if fleet is None or not fleet.follow_orders or replica is None or self.upstream or prepared.degraded or not prepared.opens_conversation:
             return
         by_id = {block.id: block for block in turn.blocks}
         shown = [by_id[block_id] for block_id in prepared.prompt_order if block_id in by_id]
-        view.record(replica, [block.content_hash for block in shown], [len(block.text) + 1 for block in shown])
+        fleet.send_order(replica, [block.content_hash for block in shown], [len(block.text) + 1 for block in shown])
 
     def arrived(self, tenant: str, turn: TurnInput) -> None:
         """A turn reached the proxy (before it is held and prepared): cache-fit admission keeps its conversation's

@@ -574,12 +574,13 @@ async def test_with_the_pick_each_free_replica_takes_the_held_requests_whose_blo
     held_total = await proxy.metric("cpmemory_hold_held_total")
     assert held_total == {"cpmemory_hold_held_total": len(names)}
     # the view the pick used holds, on busy0's replica, busy0's blocks in the order its prompt showed them
-    view, texts = proxy.app.state.service.sent_orders, {b.id: b for b in CLUSTERS["a"]}
+    fleet, texts = proxy.app.state.service.fleet, {b.id: b for b in CLUSTERS["a"]}
     shown = [texts[block_id] for block_id in prompt_order(infos["busy0"]) if block_id in texts]
     assert len(shown) == 3
-    assert view.cached(infos["busy0"]["replica"], [b.content_hash for b in shown]) == sum(len(b.text) + 1
-                                                                                           for b in shown)
-    assert view.cached(infos["busy1"]["replica"], [b.content_hash for b in shown]) == 0
+    chars = sum(len(b.text) + 1 for b in shown)  # held in tokens, at the calibration of when it was sent
+    assert fleet.cached_order(infos["busy0"]["replica"], [b.content_hash for b in shown]) == pytest.approx(
+        chars * fleet.tokens_per_char())
+    assert fleet.cached_order(infos["busy1"]["replica"], [b.content_hash for b in shown]) == 0
 
 
 def test_the_pick_needs_the_proxy_s_own_replicas_and_a_count():
@@ -591,14 +592,14 @@ def test_the_pick_needs_the_proxy_s_own_replicas_and_a_count():
     assert ServerConfig(engines=["http://a"], hold=HoldConfig(policy="pick", max_in_flight=2)).hold.policy == "pick"
 
 
-async def test_the_pick_s_view_is_bounded_by_each_replica_s_cache_in_characters(held_proxy):
+async def test_the_pick_s_view_is_bounded_by_each_replica_s_cache_in_tokens(held_proxy):
     proxy = held_proxy(replicas=2, hold_pick=True, replica_cache_tokens=1_000)
     proxy.transport.gate.set()
     response = await proxy.post(cluster_body("only", "a", 1))
     assert response.status_code == 200
     service = proxy.app.state.service
     assert service.fit is not None and service.fit.capacities[0] is not None
-    view = service.sent_orders
-    expected = service.fit.capacities[0] / service.fit.tokens_per_char
-    assert view._capacity(0) == pytest.approx(expected)
-    assert 0 < view.held(response.json()["cpmemory"]["replica"]) <= expected
+    fleet = service.fleet
+    expected = service.fit.capacities[0]
+    assert fleet.capacity_tokens(0) == expected
+    assert 0 < fleet.order_tokens(response.json()["cpmemory"]["replica"]) <= expected
