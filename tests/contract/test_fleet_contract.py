@@ -24,7 +24,8 @@ from cpmemory.engines.block_hashes import BlockHasher
 from cpmemory.engines.client import AsyncEngineClient, EngineSettings
 from cpmemory.engines.kv_events import FrameProcessor
 from cpmemory.routing.fleet import FleetView
-from cpmemory.routing.prefix import EventPrefixView, PromptBlocks, SentPrefixView, engine_blocks
+from cpmemory.routing.prefix import EventPrefixView, PromptBlocks, SentPrefixView, engine_blocks, text_blocks
+from cpmemory.routing.router import Router
 from cpmemory.testing.mock_engine import MockEngine
 
 BLOCK = 16
@@ -233,3 +234,18 @@ def test_the_orderer_s_cache_model_agrees_with_the_fleet_s_order_index(orders: l
         found += fleet.cached_order(0, order)
         fleet.send_order(0, order, [int(SIZES[key]) for key in order])
     assert found == estimate
+
+
+def test_the_router_counts_its_load_in_the_fleet_it_reads_and_routes_by_its_blocks() -> None:
+    fleet = FleetView(2, SentPrefixView(2, 10_000))
+    router = Router(["http://a", "http://b"], fleet=fleet)
+    prompt = text_blocks([{"role": "user", "content": "the harbor ledger lists every ship " * 40}])
+    first = router.choose("k1", prompt=prompt)
+    router.record("k1", first, prompt)
+    router.begin(first.url)
+    assert fleet.records[first.index].in_flight == 1 and fleet.records[first.index].requests == 1
+    assert fleet.cached_tokens(first.index, prompt) == len(prompt.keys) * prompt.block_tokens
+    again = router.choose("k2", prompt=prompt)  # another key, the same prompt: where the fleet says it is held
+    assert (again.index, again.reason) == (first.index, "prefix")
+    router.end(first.url)
+    assert fleet.records[first.index].in_flight == 0
