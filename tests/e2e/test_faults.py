@@ -12,6 +12,7 @@ from cpmemory.bench.load import RecordingTransport
 from cpmemory.core.invariants import check_no_loss
 from cpmemory.routing.transport import HttpxChatTransport
 from cpmemory.server.app import ServerConfig, create_app
+from tests.e2e.conftest import PROXY_SETTINGS
 
 DOCS = [{"id": f"d{i}", "text": f"Doc {i} says: " + f"point {i} of the matter. " * 12} for i in range(20)]
 
@@ -78,7 +79,7 @@ async def test_engine_replica_killed_mid_run_fails_over_and_loses_nothing(proces
 
 
 @pytest.mark.redis
-def test_proxy_restarted_mid_conversation_continues_from_redis(processes) -> None:
+def test_proxy_restarted_mid_conversation_continues_from_redis(processes, tmp_path) -> None:
     redis = pytest.importorskip("redis")
     url = os.environ.get("CPM_REDIS_URL", "redis://127.0.0.1:6379/0")
     try:
@@ -87,7 +88,9 @@ def test_proxy_restarted_mid_conversation_continues_from_redis(processes) -> Non
         pytest.skip("no Redis")
     prefix = f"cpmtest-{uuid.uuid4().hex[:12]}"
     engine = processes.engine().start()
-    proxy = processes.proxy([engine.url], "--redis", url, "--redis-prefix", prefix).start()
+    settings = tmp_path / "proxy.toml"  # the e2e settings plus this run's key prefix (the last --config is used)
+    settings.write_text(PROXY_SETTINGS.read_text(encoding="utf-8") + f'\n[redis]\nprefix = "{prefix}"\n', encoding="utf-8")
+    proxy = processes.proxy([engine.url], "--redis", url, "--config", str(settings)).start()
     try:
         first = httpx.post(proxy.url + "/v1/chat/completions", json=body("restart", 1, DOCS[:4]), timeout=30)
         assert first.status_code == 200, first.text
