@@ -100,7 +100,8 @@ def command(
         "prompts in the proxy instead of by each engine's /tokenize.", rich_help_panel=ADMISSION,
         show_default=False)] = None,
     redis: Annotated[str | None, typer.Option(
-        "--redis", help="Redis URL for session state (default: in memory).", rich_help_panel=STATE)] = None,
+        "--redis", help="Session store: redis://HOST:PORT/DB, or redis+cluster://HOST:PORT for a Redis Cluster "
+        "(default: in memory). Checked before the proxy listens.", rich_help_panel=STATE)] = None,
     api_keys_file: Annotated[Path | None, typer.Option(
         "--api-keys-file", help="JSON object {KEY: TENANT} (or CPMEMORY_API_KEYS).", rich_help_panel=STATE)] = None,
     host: Annotated[str, typer.Option("--host", help="Address to listen on.", rich_help_panel=LISTEN)] = "127.0.0.1",
