@@ -113,8 +113,8 @@ def create_app(
     if config.upstream is not None and len(config.engines) > 1 and not config.kv_events:
         logger.warning("behind %s without the replicas' --kv-events the proxy cannot tell which replica served a "
                        "turn: cache-fit admission counts the %d replicas as one pool and no eviction is followed "
-                       "(MT-RAG through vllm-router: 1.14x and 1.36x the original's TTFT, 1.78-2.46x with them; "
-                       "docs/server.md)", config.upstream, len(config.engines))
+                       "(most of the proxy's gain through a gateway needs them; docs/guides/serving.md)",
+                       config.upstream, len(config.engines))
     service.fit = build_fit(config, metrics)
     service.gateway_replicas = len(config.engines) if config.attributes_gateway else 0
     service.fleet = build_fleet(config, service, router)

@@ -14,13 +14,13 @@ model were counted, and never under 1) times ``COUNT_SLACK`` could exceed the bu
 UTF-8 bytes plus the template's tokens per message (the engine's count of a one-word chat, asked with the limits)
 fit: no tokenizer whose tokens cover at least a byte each counts more (:meth:`EngineLimits.upper_bound`). Without
 that bound, a burst of long prompts reaching a freshly started proxy, before any answer taught it the ratio, called
-``/tokenize`` once per prompt, queued behind the burst at the engine's API server (64 LoCoMo questions at once,
-with the limits also asked once per request before :meth:`EngineBudget.limits` shared its check: a mean of 4.0-5.4 s
-in ``prepare``; 0.39 s with both). Every answered prompt is a
-count too (its ``usage.prompt_tokens``); once learnt, the facade plans against the budget scaled by that ratio
+``/tokenize`` once per prompt, queued behind the burst at the engine's API server (with the limits also asked once
+per request before :meth:`EngineBudget.limits` shared its check, each question of a burst spent seconds in
+``prepare``; the bound and the shared check removed most of that wait). Every answered prompt is a count
+too (its ``usage.prompt_tokens``); once learnt, the facade plans against the budget scaled by that ratio
 (:meth:`EngineBudget.planning_budget`): the default counter over-counts common tokenizers by design, and planning
-in its tokens against the engine's limit cut conversations' histories at 60-75% of the context. An engine that answers neither gives no budget (the turn is
-planned as before) and is asked again after ``RETRY_AFTER_S``.
+in its tokens against the engine's limit cut conversations' histories well short of the context. An engine that
+answers neither gives no budget (the turn is planned as before) and is asked again after ``RETRY_AFTER_S``.
 """
 
 from __future__ import annotations
@@ -208,8 +208,8 @@ class EngineBudget:
         the engine lists; again after RETRY_AFTER_S when it did not answer). Bounded: one entry per listed model.
 
         Concurrent callers share one check: a burst reaching a fresh proxy asked ``/v1/models`` and ``/tokenize``
-        once per request (64 LoCoMo questions at once: 64 of each, queued at the engine's API server behind the
-        burst, seconds of each question's time). A name the engine does not list costs no call of its own
+        once per request (one of each per question, queued at the engine's API server behind the burst, seconds
+        of each question's time). A name the engine does not list costs no call of its own
         (:meth:`_list_models`)."""
         await self._list_models(model)
         key = self.served_model(model)

@@ -36,8 +36,8 @@ MAX_PENDING_REGISTRATIONS = 1024
 TOKENIZE_TIMEOUT_S = 2.0
 ATTRIBUTE_RETRY_S = (0.05, 0.2, 0.5, 1.0, 2.0, 4.0)
 """Behind a gateway: the waits (about 8 s in all) for KV events that name the replica of an answered prompt. The
-events usually trail the answer by milliseconds, but a loaded machine can delay them by a second or more (one CI run
-left 2 of 12 turns unattributed with the old 0.25 s, see ``KVEventSubscriber.start``); the wait runs in the
+events usually trail the answer by milliseconds, but a loaded machine can delay them by a second or more (a single
+short wait left turns of a loaded CI run unattributed, see ``KVEventSubscriber.start``); the wait runs in the
 background and costs no request anything."""
 ATTRIBUTE_TOKENIZE_TIMEOUT_S = 30.0
 """Behind a gateway: the tokenize call of attribution, off the request path, may wait longer than routing's."""

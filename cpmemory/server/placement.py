@@ -86,8 +86,8 @@ class TurnPlacement:
 
         Why. The hold's token bound and cache-fit admission estimate a prompt's tokens from its
         characters before it is sent; until an answer came back that estimate was the default, four characters a
-        token. A burst reaching a fresh proxy arrives before any answer: with the bench model's tokenizer (2.7
-        characters a token) the bound let in 8 LoCoMo prompts where the caches hold 6, unplanned."""
+        token. A burst reaching a fresh proxy arrives before any answer: with a tokenizer denser than that
+        default (the bench model's) the bound let in more prompts than the caches hold, unplanned."""
         counter, fit = self.engine_budget, self.fit
         if not self.needs_calibration or counter is None or fit is None:
             return
