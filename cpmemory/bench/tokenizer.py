@@ -7,8 +7,7 @@ never needs a vocabulary. This module gives both without a model download:
    (``" the"``), a run of punctuation with its leading space (``" ("``), or a run of whitespace (``"\\n\\n"``).
 2. A piece of up to :data:`MAX_PIECE_CHARS` (8) characters is one token (a stand-in for a BPE vocabulary's common
    words); a longer piece is cut into :data:`CHUNK_CHARS` (6) character chunks, so long or rare words cost several
-   tokens. English prose comes out near 4 characters per token (LoCoMo dialog 4.0, MultiHop-RAG news facts 4.4),
-   like ``cl100k``.
+   tokens. English prose comes out near 4 characters per token, like ``cl100k``.
 3. Each piece maps to a stable integer id: the first 8 bytes of its blake2b digest, masked to 63 bits so the ids
    fit a signed 64-bit numpy array.
 
