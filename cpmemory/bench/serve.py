@@ -390,7 +390,7 @@ def _load(trace_file: Path | None, workload: str | None, data_dir: Path | None, 
 
 def command(
     engine: Annotated[list[str], typer.Option("--engine", help="Engine base URL (repeat per replica).")],
-    trace_file: Path | None = typer.Option(None, "--trace", help="A JSON Lines trace (see docs/bench.md)."),
+    trace_file: Path | None = typer.Option(None, "--trace", help="A JSON Lines trace (see docs/results/replay.md)."),
     workload: str | None = typer.Option(None, "--workload", help="mt_rag | locomo_sessions | synthetic_long | ..."),
     data_dir: Path | None = typer.Option(None, "--data-dir", help="Data folder (default ../shared/data)."),
     upstream: str | None = typer.Option(None, "--upstream", help="A router in front of the engines (both strategies)."),
