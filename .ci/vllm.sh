@@ -24,7 +24,7 @@
 # 8 query heads and 2 KV heads of 128; 38.8M parameters). At a 5,000-token prompt attention is about a quarter of
 # its prefill FLOPs, against about two thirds for the tiny model (hidden 256) and under a tenth for an 8B model
 # (Llama-3-8B): on the tiny model the cached prefix is the cheap part of the work (the new rows still attend to it)
-# (docs/bench-serve.md, "Measured 2026-12-05 (fourteenth machine ...)"). ci-up keeps the tiny model: the CI tests
+# (docs/results/serve.md). ci-up keeps the tiny model: the CI tests
 # check behaviour, not speed, and run faster on it. CPM_VLLM_BENCH_MODEL=/root/.cache/cpmemory/tiny-model gives the
 # tiny model's bench replicas.
 # The bench replicas, two equal servers for `cpmemory bench serve` and the real-engine tests: cpm-main (port 18100,
@@ -34,8 +34,7 @@
 # `bench serve` keeps live at its default 8 clients (the original's peak, 46,695 tokens: the sum of the latest prompts
 # of the conversations active at one time) and 46% of all of it (76,181: each of the 11 conversations' largest
 # prompt), so the replicas cannot keep every active history and the prompts' order, de-duplication and routing show
-# in the cached tokens (the 48 MiB / 24,576 tokens used before 2026-12-02 held the active histories: 49,152 >
-# 46,695); these are the URLs the public acceptance check `serve` uses (CPM_VLLM_URL, CPM_VLLM_URL_2).
+# in the cached tokens (48 MiB / 24,576 tokens held the active histories: 49,152 > 46,695); these are the URLs the public acceptance check `serve` uses (CPM_VLLM_URL, CPM_VLLM_URL_2).
 # Both bench replicas run vLLM's priority scheduler (--scheduling-policy priority: the waiting queue by each
 # request's `priority`, lower first, then arrival), for the proxy's --engine-priority; a request without one has
 # priority 0, so the original order's requests are served first come first served as under the default policy.
@@ -51,13 +50,11 @@
 #   CPM_VLLM_KV_BYTES  KV cache size in bytes of `start` (default: VLLM_CPU_KVCACHE_SPACE=1, i.e. 1 GiB)
 #   CPM_VLLM_BENCH_KV_BYTES  KV cache of each bench replica (default 35651584 = 34 MiB = 17,408 tokens)
 #   CPM_VLLM_NICE      niceness of the servers (default 19: the proxy and the clients on the same machine go first;
-#                      10 until 2026-12-05, when the proxy's hops still queued behind the engines' workers:
-#                      docs/bench-serve.md, "Measured 2026-12-05 (tenth machine ...)")
+#                      at 10 the proxy's hops queued behind the engines' workers: docs/decisions.md)
 #   CPM_VLLM_FRONTEND_NICE  niceness of each server's API server process (HTTP, chat template, tokenizer; default
 #                      0) once it is up: only the engine core and its model worker stay at CPM_VLLM_NICE. On a GPU
 #                      host the front end has CPU cores the model does not use; at 19 here it queued behind the
-#                      model's compute: 124-131 ms of every request's engine TTFT (47-104 at 0): docs/bench-serve.md,
-#                      "Measured 2026-12-05 (thirteenth machine ...)". The engine core stays at 19: it spins
+#                      model's compute, which added to every request's engine TTFT. The engine core stays at 19: it spins
 #                      while the worker computes, and at 0 it took the worker's core (prefill time doubled).
 #   CPM_VLLM_CPU_BIND  the worker's cores for `start` (VLLM_CPU_OMP_THREADS_BIND; vLLM's default "auto" binds
 #                      every server to the same core); the bench replicas get core 0 and core 1. A core list also
@@ -238,7 +235,7 @@ frontend_nice() {
 # cores spun on whichever core the scheduler gave them, the other replica's worker's too. Measured (LoCoMo
 # sessions, 2 clients, one a replica): the engine cores took 2.6-12.3 s of CPU a run instead of 0.6-0.7 s, and
 # which replica they slowed, by how much, changed with each run's timing (cpmemory's TTFT 1,017-1,284 ms unpinned,
-# 891 ms pinned): docs/bench-serve.md, "Measured 2026-12-06".
+# 891 ms pinned).
 engine_core_bind() {
   local pid=$1 cores=${CPM_VLLM_CPU_BIND:-} child
   [[ "$cores" =~ ^[0-9][0-9,-]*$ ]] || return 0  # "auto" / "nobind" / unset: vLLM places the worker; leave it be

@@ -216,7 +216,7 @@ def _children(pid: int, comm_prefix: str) -> list[int]:
 def test_each_engine_core_runs_on_its_workers_cores(name):
     """The rig (`.ci/vllm.sh`, CPM_VLLM_CPU_BIND): an engine core busy-waits for its worker through every step, so it
     must share its own worker's cores; free, it spun on the other replica's core and slowed that replica's
-    prefills by an amount that changed run to run (docs/bench-serve.md, "Measured 2026-12-06")."""
+    prefills by an amount that changed run to run."""
     server(*MAIN)
     pid_file = Path(os.environ.get("CPM_VLLM_RUN_DIR", "/tmp/cpmemory-vllm")) / f"{name}.pid"
     if not pid_file.exists():
