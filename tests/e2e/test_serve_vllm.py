@@ -43,7 +43,8 @@ def test_engine_priorities_are_accepted_by_the_real_replicas():
     its KV-event view, ``original-priority``'s by new prompt length; every request is answered, nothing lost."""
     trace = load_synthetic(requests=16, blocks_per_request=4, corpus_size=8, block_words=40, seed=7)
     settings = ServeSettings(engines=tuple(URLS), kv_events=tuple(KV), requests=16, concurrency=4, max_tokens=4,
-                             timeout_s=120, engine_priority=True, strategies=("original-priority", "cpmemory"))
+                             timeout_s=120, proxy_config={"engine_priority": True},
+                             strategies=("original-priority", "cpmemory"))
     report = asyncio.run(run_serve(trace, settings))
     for figures in report["strategies"].values():
         assert figures["errors"] == 0 and figures["lost_blocks"] == 0
