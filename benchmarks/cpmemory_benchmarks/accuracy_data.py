@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from cpmemory import Block
+from cpmemory.bench.loaders import locomo_turns
 from cpmemory.errors import InvalidInputError, MissingDependencyError
 
 DATASETS = ("multihop", "locomo", "mt_rag")
@@ -142,23 +143,7 @@ def load_multihop(data_dir: Path, *, top_k: int = MULTIHOP_TOP_K, seed: int = 0)
 # ---------------------------------------------------------------- LoCoMo
 
 def _locomo_memories(sample: dict[str, Any]) -> list[Block]:
-    conversation = sample["conversation"]
-    numbers = sorted(int(key.split("_")[1]) for key in conversation
-                     if re.fullmatch(r"session_\d+", key) and isinstance(conversation[key], list))
-    memories: list[Block] = []
-    seen: set[str] = set()
-    for number in numbers:
-        date = conversation.get(f"session_{number}_date_time", "undated")
-        for turn in conversation[f"session_{number}"]:
-            block_id = f"{sample['sample_id']}:{turn['dia_id']}"
-            if block_id in seen:
-                continue
-            seen.add(block_id)
-            text = f"({date}) {turn['speaker']}: {turn['text']}"
-            if turn.get("blip_caption"):
-                text += f" [shares an image: {turn['blip_caption']}]"
-            memories.append(Block(block_id, text))
-    return memories
+    return [Block(turn.id, turn.text) for turn in locomo_turns(sample, dated=True)]
 
 
 def load_locomo(data_dir: Path, *, top_k: int = LOCOMO_TOP_K, turns_per_chat: int = LOCOMO_TURNS_PER_CHAT,

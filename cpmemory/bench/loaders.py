@@ -85,19 +85,22 @@ def _pseudo_text(seed_text: str, words: int) -> str:
 
 # ---------------------------------------------------------------- LoCoMo
 
-def _locomo_turns(sample: dict[str, Any]) -> list[TraceBlock]:
+def locomo_turns(sample: dict[str, Any], *, dated: bool = False) -> list[TraceBlock]:
+    """A LoCoMo sample's dialog turns as blocks, once each, in session order; ``dated`` prefixes each with its
+    session's date (how a memory store shows them to a model)."""
     conversation = sample["conversation"]
     blocks: list[TraceBlock] = []
     seen: set[str] = set()
-    session_keys = sorted((key for key in conversation if key.startswith("session_") and not key.endswith("date_time")),
-                          key=lambda key: int(key.split("_")[1]))
+    session_keys = sorted((key for key in conversation if key.startswith("session_") and not key.endswith("date_time")
+                           and isinstance(conversation[key], list)), key=lambda key: int(key.split("_")[1]))
     for key in session_keys:
+        date = f"({conversation.get(key + '_date_time', 'undated')}) " if dated else ""
         for turn in conversation[key]:
             block_id = f"{sample['sample_id']}:{turn['dia_id']}"
             if block_id in seen:
                 continue
             seen.add(block_id)
-            text = f"{turn['speaker']}: {turn['text']}"
+            text = f"{date}{turn['speaker']}: {turn['text']}"
             if turn.get("blip_caption"):
                 text += f" [shares an image: {turn['blip_caption']}]"
             blocks.append(TraceBlock(block_id, text))
@@ -121,7 +124,7 @@ def load_locomo(data_dir: Path, *, limit_conversations: int | None = None) -> Tr
     samples = _read_json(Path(data_dir) / "locomo" / "locomo10.json")
     requests: list[TraceRequest] = []
     for sample in samples[:limit_conversations]:
-        turns = _locomo_turns(sample)
+        turns = locomo_turns(sample)
         questions = [str(qa["question"]) for qa in sample["qa"]]
         ranked = _bm25_top_k([block.text for block in turns], questions, LOCOMO_TOP_K)
         for index, question in enumerate(questions):
