@@ -51,8 +51,9 @@ def prompts_for(name: str, data_dir: Path, limit: int | None, seed: int = 0) -> 
     return build_prompts(chosen, plan_over=chats if single_turn else None, via_mem0=name == "locomo")
 
 
-def _subset(rows: Sequence[Mapping[str, Record]], conditions: Sequence[str]) -> dict[str, Any]:
-    scores = {c: [score(row[c].answer, row[c].golds) for row in rows] for c in conditions}
+def _subset(rows: Sequence[Mapping[str, Record]], golds: Mapping[str, Sequence[str]],
+            conditions: Sequence[str]) -> dict[str, Any]:
+    scores = {c: [score(row[c].answer, golds[row[c].qid]) for row in rows] for c in conditions}
     tokens = {c: [float(row[c].answer_tokens) for row in rows] for c in conditions}
     comparisons: dict[str, Any] = {}
     pairs = [(BASELINE, c, c) for c in conditions if c != BASELINE and BASELINE in conditions]
@@ -90,17 +91,20 @@ def summarize(prompts: Sequence[Mapping[str, Prompt]], done: Mapping[tuple[str, 
         empty += sum(1 for r in current.values() if r.empty)
         if len(current) == len(by_condition) and all(r.ok for r in current.values()):
             rows.append(current)
-    out = _subset(rows, conditions)
+    golds = {by_condition[BASELINE].question.qid: by_condition[BASELINE].question.golds for by_condition in prompts}
+    out = _subset(rows, golds, conditions)
     out.update(questions=len(prompts), asked=asked, errors=errors, empty=empty,
                lost=sum(p.lost for by_condition in prompts for p in by_condition.values()))
     if "cpmemory" in conditions:
         flagged = [row for row in rows if row["cpmemory"].by_reference]
         if flagged:
-            out["by_reference"] = _subset(flagged, conditions)
-            out["direct"] = _subset([row for row in rows if not row["cpmemory"].by_reference], conditions)
+            out["by_reference"] = _subset(flagged, golds, conditions)
+            out["direct"] = _subset([row for row in rows if not row["cpmemory"].by_reference], golds,
+                                    conditions)
     kinds = sorted({row[conditions[0]].kind for row in rows})
     if len(kinds) > 1:
-        out["by_kind"] = {kind: _subset([row for row in rows if row[conditions[0]].kind == kind], conditions)
+        out["by_kind"] = {kind: _subset([row for row in rows if row[conditions[0]].kind == kind], golds,
+                                          conditions)
                           for kind in kinds}
     return out
 
@@ -170,20 +174,24 @@ def plot(report: Mapping[str, Any], path: Path) -> bool:
     return True
 
 
-async def _run(datasets: Sequence[str], data_dir: Path, url: str | None, model: str | None, out: Path, limit: int,
+async def _run(datasets: Sequence[str], data_dir: Path, urls: Sequence[str], model: str | None, out: Path, limit: int,
                concurrency: int, max_tokens: int, time_limit_s: float | None, summary_only: bool,
                seed: int) -> dict[str, Any]:
     console = stderr_console()
     records = RecordFile(out)
     if model is None:
-        if url is None:
+        if not urls:
             raise typer.BadParameter(f"give --engine (or {ENGINE_ENV}) or --model with --summary-only")
-        model = await served_model(url)
+        model = await served_model(urls[0])
     built = {name: prompts_for(name, data_dir, limit, seed) for name in datasets}
     deadline = time.monotonic() + time_limit_s if time_limit_s else None
     if not summary_only:
-        assert url is not None
-        engine = ChatEngine(url, model, max_tokens=max_tokens)
+        if not urls:
+            raise typer.BadParameter(f"give --engine (or {ENGINE_ENV}) to ask questions")
+        for url in urls[1:]:  # a paired comparison needs one model behind every engine
+            if (other := await served_model(url)) != model:
+                raise typer.BadParameter(f"{url} serves {other!r}, not {model!r}: every --engine must serve one model")
+        engines = [ChatEngine(url, model, max_tokens=max_tokens) for url in urls]
         try:
             for name in datasets:
                 todo = pending(built[name], latest(records.load(), model))
@@ -191,13 +199,14 @@ async def _run(datasets: Sequence[str], data_dir: Path, url: str | None, model: 
                 if not todo:
                     continue
                 with progress_bar(len(todo), f"{name} ({model})") as advance:
-                    await ask_all(engine, todo, records, concurrency=concurrency, deadline=deadline,
+                    await ask_all(engines, todo, records, concurrency=concurrency, deadline=deadline,
                                   advance=lambda _record: advance(1))
                 if deadline is not None and time.monotonic() >= deadline:
                     console.print("time limit reached; the run resumes from its JSONL")
                     break
         finally:
-            await engine.aclose()
+            for engine in engines:
+                await engine.aclose()
     done = latest(records.load(), model)
     return {"model": model, "datasets": {name: summarize(built[name], done) for name in datasets}}
 
@@ -205,11 +214,12 @@ async def _run(datasets: Sequence[str], data_dir: Path, url: str | None, model: 
 def command(
     dataset: list[str] = typer.Option(list(accuracy_data.DATASETS), "--dataset", "-d",
                                       help="Datasets, in this order (multihop, locomo, mt_rag)."),
-    engine: str = typer.Option(None, "--engine", help=f"The engine's base URL (default: ${ENGINE_ENV})."),
+    engine: list[str] = typer.Option([], "--engine", help=f"An engine's base URL, repeat per replica (default: "
+                                     f"${ENGINE_ENV}); a chat's prompts all go to one."),
     model: str = typer.Option(None, "--model", help="The served model name (default: the engine's first)."),
     out: Path = typer.Option(Path("accuracy.jsonl"), "--out", help="The per-question JSONL (resumed when present)."),
     limit: int = typer.Option(300, "--limit", min=1, help="Questions per dataset (whole chats, so a few more)."),
-    concurrency: int = typer.Option(1, "--concurrency", min=1, help="Requests in flight."),
+    concurrency: int = typer.Option(1, "--concurrency", min=1, help="Chats in flight per engine."),
     max_tokens: int = typer.Option(DEFAULT_MAX_TOKENS, "--max-tokens", min=1, help="Answer length cap (tokens)."),
     time_limit: float = typer.Option(None, "--time-limit", help="Stop asking after this many seconds (resumable)."),
     summary_only: bool = typer.Option(False, "--summary-only", help="Report from the JSONL, ask nothing."),
@@ -222,8 +232,8 @@ def command(
     unknown = [name for name in dataset if name not in accuracy_data.DATASETS]
     if unknown:
         raise typer.BadParameter(f"unknown dataset(s) {unknown}; choose from {', '.join(accuracy_data.DATASETS)}")
-    url = engine or os.environ.get(ENGINE_ENV) or None
-    report = asyncio.run(_run(dataset, data_dir or default_data_dir(), url, model, out, limit, concurrency,
+    urls = list(engine) or ([os.environ[ENGINE_ENV]] if os.environ.get(ENGINE_ENV) else [])
+    report = asyncio.run(_run(dataset, data_dir or default_data_dir(), urls, model, out, limit, concurrency,
                               max_tokens, time_limit, summary_only, seed))
     if plot_path is not None and not plot(report, plot_path):
         stderr_console().print("matplotlib is not installed: no plot")

@@ -10,7 +10,7 @@
   questions; each turn's blocks are the ``top_k`` dialog turns of its conversation by BM25 (a Mem0 memory search),
   each dated with its session; the gold evidence is the QA's ``evidence`` dialog turns.
 * ``mt_rag`` (MT-RAG, multi-turn RAG): the 20 conversations whose passages are stored, each turn's reference
-  passages as its blocks (all of them its evidence), the first ``max_turns`` turns of each.
+  passages as its blocks (all of them its evidence), every turn with a reference answer (159).
 
 Questions are returned as chats (lists of turns), in a seeded order, so that the first ``limit`` questions are a
 random sample of whole chats. Pure reading; nothing is written.
@@ -35,7 +35,6 @@ YES_NO_SUFFIX = " Answer Yes or No."
 MULTIHOP_TOP_K = 6
 LOCOMO_TOP_K = 10
 LOCOMO_TURNS_PER_CHAT = 6
-MT_RAG_MAX_TURNS = 8
 _EVIDENCE_ID = re.compile(r"D\d+:\d+")
 
 
@@ -174,8 +173,8 @@ def load_locomo(data_dir: Path, *, top_k: int = LOCOMO_TOP_K, turns_per_chat: in
 
 # ---------------------------------------------------------------- MT-RAG
 
-def load_mt_rag(data_dir: Path, *, max_turns: int = MT_RAG_MAX_TURNS, seed: int = 0) -> list[list[Question]]:
-    """MT-RAG's conversations with stored passages, their first ``max_turns`` turns (module docstring)."""
+def load_mt_rag(data_dir: Path, *, max_turns: int | None = None, seed: int = 0) -> list[list[Question]]:
+    """MT-RAG's conversations with stored passages, every turn (or the first ``max_turns``; module docstring)."""
     reference = _read_json(Path(data_dir) / "mt_rag" / "reference_subset_with_human_evaluations.json")
     texts = {doc["document_id"]: f"{doc.get('title') or ''}\n{doc['text']}".strip() for doc in reference["documents"]}
     by_chat: dict[str, list[dict[str, Any]]] = {}

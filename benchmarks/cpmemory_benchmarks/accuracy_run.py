@@ -132,7 +132,6 @@ class Record:
     model: str
     prompt_sha: str
     answer: str
-    golds: list[str]
     answer_tokens: int
     prompt_tokens: int
     cached_tokens: int
@@ -158,10 +157,13 @@ class Record:
 def make_record(prompt: Prompt, model: str, reply: Reply, latency_s: float) -> Record:
     question = prompt.question
     return Record(question.dataset, question.qid, question.chat, question.turn, prompt.condition, question.kind,
-                  question.category, model, prompt.sha, reply.answer, list(question.golds), reply.answer_tokens,
+                  question.category, model, prompt.sha, reply.answer, reply.answer_tokens,
                   reply.prompt_tokens, reply.cached_tokens, round(latency_s, 3), reply.finish_reason,
                   prompt.by_reference, prompt.lost, reply.error, reply.error is None and not reply.answer.strip(),
                   reply.yes_logprob, reply.no_logprob)
+
+
+_FIELDS = tuple(Record.__dataclass_fields__)
 
 
 class RecordFile:
@@ -180,8 +182,9 @@ class RecordFile:
             if not line.strip():
                 continue
             try:
-                records.append(Record(**json.loads(line)))
-            except (ValueError, TypeError):
+                fields = json.loads(line)
+                records.append(Record(**{name: fields[name] for name in _FIELDS if name in fields}))
+            except (ValueError, TypeError, AttributeError):
                 continue
         return records
 
@@ -221,30 +224,37 @@ def pending(prompts: Sequence[Mapping[str, Prompt]], done: Mapping[tuple[str, st
     return todo
 
 
-async def ask_all(engine: ChatEngine, todo: Sequence[Prompt], records: RecordFile, *, concurrency: int = 1,
-                  advance: Callable[[Record], None] | None = None, deadline: float | None = None,
-                  clock: Callable[[], float] = time.monotonic) -> list[Record]:
-    """Ask every prompt of ``todo`` (``concurrency`` at a time, in order) and append each record as it comes.
+async def ask_all(engines: ChatEngine | Sequence[ChatEngine], todo: Sequence[Prompt], records: RecordFile, *,
+                  concurrency: int = 1, advance: Callable[[Record], None] | None = None,
+                  deadline: float | None = None, clock: Callable[[], float] = time.monotonic) -> list[Record]:
+    """Ask every prompt of ``todo`` and append each record as it comes. Returns the new records.
 
-    Stops taking new prompts once ``clock()`` passes ``deadline`` (those in flight finish). Returns the new records.
+    The prompts of one chat (every turn, every condition) go to one engine, in order: a turn's history and the
+    block order shared by ``reordered`` and ``cpmemory`` are then in that engine's prefix cache. Each engine takes
+    ``concurrency`` chats at a time, the next one when it is free. Stops taking new prompts once ``clock()`` passes
+    ``deadline`` (those in flight finish).
     """
-    queue: asyncio.Queue[Prompt] = asyncio.Queue()
+    pool = [engines] if isinstance(engines, ChatEngine) else list(engines)
+    chats: dict[tuple[str, str], list[Prompt]] = {}
     for prompt in todo:
-        queue.put_nowait(prompt)
+        chats.setdefault((prompt.question.dataset, prompt.question.chat), []).append(prompt)
+    queue: asyncio.Queue[list[Prompt]] = asyncio.Queue()
+    for chat in chats.values():
+        queue.put_nowait(chat)
     written: list[Record] = []
 
-    async def worker() -> None:
+    async def worker(engine: ChatEngine) -> None:
         while not queue.empty():
-            if deadline is not None and clock() >= deadline:
-                return
-            prompt = queue.get_nowait()
-            start = clock()
-            reply = await engine.ask(prompt.messages, yesno=prompt.question.kind == "yesno")
-            record = make_record(prompt, engine.model, reply, clock() - start)
-            records.append(record)
-            written.append(record)
-            if advance is not None:
-                advance(record)
+            for prompt in queue.get_nowait():
+                if deadline is not None and clock() >= deadline:
+                    return
+                start = clock()
+                reply = await engine.ask(prompt.messages, yesno=prompt.question.kind == "yesno")
+                record = make_record(prompt, engine.model, reply, clock() - start)
+                records.append(record)
+                written.append(record)
+                if advance is not None:
+                    advance(record)
 
-    await asyncio.gather(*(worker() for _ in range(max(1, concurrency))))
+    await asyncio.gather(*(worker(engine) for engine in pool for _ in range(max(1, concurrency))))
     return written

@@ -161,3 +161,49 @@ def test_malformed_replies_are_errors() -> None:
     assert parse_reply({"choices": []}, yesno=False).error.startswith("malformed")
     none = {"choices": [{"logprobs": {"content": [{"top_logprobs": [{"token": "Maybe", "logprob": -0.1}]}]}}]}
     assert parse_reply(none, yesno=True).error == "neither Yes nor No among the top logprobs"
+
+
+def test_a_chat_goes_to_one_engine_in_order_and_every_engine_takes_chats(tmp_path: Path) -> None:
+    prompts = build_prompts(_chats())
+    first, second = StandInEngine(), StandInEngine()
+
+    def answering(engine: StandInEngine) -> Any:
+        async def handler(request: httpx.Request) -> httpx.Response:
+            await asyncio.sleep(0)  # an engine's answer takes a while: the other engine's worker runs meanwhile
+            return engine(request)
+        return handler
+
+    async def go() -> list:
+        engines = [ChatEngine(f"http://engine-{i}", "stand-in",
+                              client=httpx.AsyncClient(transport=httpx.MockTransport(answering(e))))
+                   for i, e in enumerate((first, second))]
+        todo = pending(prompts, {})
+        try:
+            return await ask_all(engines, todo, RecordFile(tmp_path / "run.jsonl"))
+        finally:
+            for engine in engines:
+                await engine.aclose()
+
+    written = asyncio.run(go())
+    assert len(written) == len(first.calls) + len(second.calls) == 3 * len(CONDITIONS)
+    assert first.calls and second.calls  # two chats, two free engines: one chat each
+    chats = [{call["messages"][-1]["content"].rsplit("Question: ", 1)[-1] for call in engine.calls}
+             for engine in (first, second)]
+    assert {frozenset(c) for c in chats} == {frozenset({"When does the museum open?", "How much is a ticket?"}),
+                                              frozenset({"Is it open on Mondays?"})}
+    c1 = [(r.turn, r.condition) for r in written if r.chat == "c1"]
+    assert c1 == [(1, c) for c in CONDITIONS] + [(2, c) for c in CONDITIONS]  # turn by turn, as built
+
+
+def test_records_hold_no_gold_and_the_summary_scores_against_the_dataset(tmp_path: Path) -> None:
+    path = tmp_path / "run.jsonl"
+    prompts = build_prompts(_chats())
+    _run(StandInEngine(), prompts, path)
+    lines = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+    assert lines and all("golds" not in line for line in lines)
+    with path.open("a", encoding="utf-8") as handle:  # a record written with a field this version does not know
+        handle.write(json.dumps({**lines[0], "golds": ["nine"], "extra": 1}) + "\n")
+    figures = summarize(prompts, latest(RecordFile(path).load(), "stand-in"))
+    # "It opens at nine." contains the gold "nine" of c1:q1, not "five euros" of c1:q2; "No" is c2:q1's gold
+    assert figures["n"] == 3
+    assert figures["conditions"]["original"]["contain"] == pytest.approx(2 / 3, abs=1e-4)
