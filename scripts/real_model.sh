@@ -7,7 +7,9 @@
 #                                              check its sha256
 #   scripts/real_model.sh convert MODEL        dequantize the GGUF once into bf16 safetensors + tokenizer
 #                                              (transformers, in the vLLM venv; skipped when already converted)
-#   scripts/real_model.sh start   MODEL [N]    start N replicas (default 1), one core each, wait for /health
+#   scripts/real_model.sh start   MODEL [N] [VLLM ARGS...]
+#                                              start N replicas (default 1), one core each, wait for /health; the
+#                                              rest goes to vllm serve (e.g. --max-model-len with a small KV cache)
 #   scripts/real_model.sh stop    MODEL [N]    stop them (by their PID files)
 #   scripts/real_model.sh up      MODEL [N]    install the vLLM venv if missing, fetch, convert, start
 #   scripts/real_model.sh env     MODEL [N]    print the environment the accuracy command and the smoke test read
@@ -164,6 +166,7 @@ replica_name() { echo "cpm-real-$1-$2"; }
 cmd_start() {
   model_spec "$1"
   local count=${2:-1} cores i core
+  shift $(($# < 2 ? $# : 2))
   converted || fail "start" "no converted model at $MODEL_DIR (run: $0 up $MODEL_NAME)"
   cores=$(nproc 2>/dev/null || echo 1)
   for i in $(seq 0 $((count - 1))); do
@@ -172,7 +175,7 @@ cmd_start() {
     CPM_VLLM_MODEL=$MODEL_DIR CPM_VLLM_CPU_BIND=$core CPM_VLLM_KV_BYTES=$KV_BYTES \
       CPM_VLLM_START_TIMEOUT=${CPM_VLLM_START_TIMEOUT:-600} \
       bash "$VLLM_SH" start "$(replica_name "$MODEL_NAME" "$i")" $((PORT + i)) $((KV_PORT + i)) \
-      --served-model-name "$MODEL_NAME" \
+      --served-model-name "$MODEL_NAME" "$@" \
       || fail "start" "replica $i of $MODEL_NAME did not come up (log in ${CPM_VLLM_RUN_DIR:-/tmp/cpmemory-vllm})"
   done
 }
@@ -195,7 +198,7 @@ cmd_env() {
 case "${1:-}" in
   fetch) [ $# -ge 2 ] || fail arguments "usage: fetch MODEL"; cmd_fetch "$2" ;;
   convert) [ $# -ge 2 ] || fail arguments "usage: convert MODEL"; cmd_convert "$2" ;;
-  start) [ $# -ge 2 ] || fail arguments "usage: start MODEL [N]"; cmd_start "$2" "${3:-1}" ;;
+  start) [ $# -ge 2 ] || fail arguments "usage: start MODEL [N] [VLLM ARGS...]"; shift; cmd_start "$@" ;;
   stop) [ $# -ge 2 ] || fail arguments "usage: stop MODEL [N]"; cmd_stop "$2" "${3:-1}" ;;
   env) [ $# -ge 2 ] || fail arguments "usage: env MODEL [N]"; cmd_env "$2" "${3:-1}" ;;
   dir) [ $# -ge 2 ] || fail arguments "usage: dir MODEL"; model_spec "$2"; echo "$MODEL_DIR" ;;
