@@ -166,7 +166,7 @@ def plot(report: Mapping[str, Any], path: Path) -> bool:
     axes.set_yticks(range(len(labels)), labels)
     axes.invert_yaxis()
     axes.set_xlabel("paired token-F1 difference, 95% bootstrap CI (dashed: -0.05)")
-    axes.set_title(f"{report['model']}: paired differences (cpmemory-vs-reordered: the annotation)", fontsize=10)
+    axes.set_title(f"{report['model']}: paired differences", fontsize=10)
     figure.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path, dpi=120)
