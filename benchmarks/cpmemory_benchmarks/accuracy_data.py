@@ -173,8 +173,8 @@ def load_locomo(data_dir: Path, *, top_k: int = LOCOMO_TOP_K, turns_per_chat: in
 
 # ---------------------------------------------------------------- MT-RAG
 
-def load_mt_rag(data_dir: Path, *, max_turns: int | None = None, seed: int = 0) -> list[list[Question]]:
-    """MT-RAG's conversations with stored passages, every turn (or the first ``max_turns``; module docstring)."""
+def load_mt_rag(data_dir: Path, *, seed: int = 0) -> list[list[Question]]:
+    """MT-RAG's conversations with stored passages, every turn (module docstring)."""
     reference = _read_json(Path(data_dir) / "mt_rag" / "reference_subset_with_human_evaluations.json")
     texts = {doc["document_id"]: f"{doc.get('title') or ''}\n{doc['text']}".strip() for doc in reference["documents"]}
     by_chat: dict[str, list[dict[str, Any]]] = {}
@@ -183,7 +183,7 @@ def load_mt_rag(data_dir: Path, *, max_turns: int | None = None, seed: int = 0) 
     chats = []
     for chat_id in sorted(by_chat):
         chat: list[Question] = []
-        for task in sorted(by_chat[chat_id], key=lambda task: int(task["Turn"]))[:max_turns]:
+        for task in sorted(by_chat[chat_id], key=lambda task: int(task["Turn"])):
             query = next(m["text"] for m in reversed(task["input"]) if m["speaker"] == "user")
             ids = [i for i in dict.fromkeys(c["document_id"] for c in task["contexts"]) if i in texts]
             answer = task["targets"][0]["text"] if task.get("targets") else ""

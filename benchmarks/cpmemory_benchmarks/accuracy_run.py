@@ -224,7 +224,7 @@ def pending(prompts: Sequence[Mapping[str, Prompt]], done: Mapping[tuple[str, st
     return todo
 
 
-async def ask_all(engines: ChatEngine | Sequence[ChatEngine], todo: Sequence[Prompt], records: RecordFile, *,
+async def ask_all(engines: Sequence[ChatEngine], todo: Sequence[Prompt], records: RecordFile, *,
                   concurrency: int = 1, advance: Callable[[Record], None] | None = None,
                   deadline: float | None = None, clock: Callable[[], float] = time.monotonic) -> list[Record]:
     """Ask every prompt of ``todo`` and append each record as it comes. Returns the new records.
@@ -234,7 +234,6 @@ async def ask_all(engines: ChatEngine | Sequence[ChatEngine], todo: Sequence[Pro
     ``concurrency`` chats at a time, the next one when it is free. Stops taking new prompts once ``clock()`` passes
     ``deadline`` (those in flight finish).
     """
-    pool = [engines] if isinstance(engines, ChatEngine) else list(engines)
     chats: dict[tuple[str, str], list[Prompt]] = {}
     for prompt in todo:
         chats.setdefault((prompt.question.dataset, prompt.question.chat), []).append(prompt)
@@ -256,5 +255,5 @@ async def ask_all(engines: ChatEngine | Sequence[ChatEngine], todo: Sequence[Pro
                 if advance is not None:
                     advance(record)
 
-    await asyncio.gather(*(worker(engine) for engine in pool for _ in range(max(1, concurrency))))
+    await asyncio.gather(*(worker(engine) for engine in engines for _ in range(max(1, concurrency))))
     return written

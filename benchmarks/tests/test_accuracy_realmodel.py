@@ -45,7 +45,7 @@ def test_a_few_questions_answered_under_every_condition(tmp_path: Path) -> None:
         engine = ChatEngine(URL, model, max_tokens=32)
         try:
             todo = [p for by_condition in prompts for p in by_condition.values()]
-            await ask_all(engine, todo, records)
+            await ask_all([engine], todo, records)
         finally:
             await engine.aclose()
         return model

@@ -63,7 +63,7 @@ def _run(engine: StandInEngine, prompts: list, path: Path) -> list:
         try:
             records = RecordFile(path)
             todo = pending(prompts, latest(records.load(), "stand-in"))
-            return await ask_all(chat, todo, records, concurrency=2)
+            return await ask_all([chat], todo, records, concurrency=2)
         finally:
             await chat.aclose()
 
@@ -121,7 +121,7 @@ def test_unreachable_engine_is_an_error_record(tmp_path: Path) -> None:
         chat = ChatEngine("http://engine", "stand-in", client=httpx.AsyncClient(transport=httpx.MockTransport(refuse)))
         todo = [p for by_condition in build_prompts(_chats()[:1]) for p in by_condition.values()]
         try:
-            return await ask_all(chat, todo, RecordFile(tmp_path / "run.jsonl"))
+            return await ask_all([chat], todo, RecordFile(tmp_path / "run.jsonl"))
         finally:
             await chat.aclose()
 
@@ -137,7 +137,7 @@ def test_a_deadline_stops_taking_new_prompts(tmp_path: Path) -> None:
                           client=httpx.AsyncClient(transport=httpx.MockTransport(StandInEngine())))
         todo = [p for by_condition in build_prompts(_chats()) for p in by_condition.values()]
         try:
-            return await ask_all(chat, todo, RecordFile(tmp_path / "run.jsonl"), deadline=4,
+            return await ask_all([chat], todo, RecordFile(tmp_path / "run.jsonl"), deadline=4,
                                  clock=lambda: float(next(ticks)))
         finally:
             await chat.aclose()
