@@ -5,9 +5,9 @@ Every question is asked under every condition (``original``, ``reordered``, ``cp
 answer is a line of a JSONL file, and a run resumes from it (:mod:`cpmemory_benchmarks.accuracy_run`). The report
 gives each condition's exact match, token F1, gold containment and answer length over the questions answered under
 every condition, and each condition's paired difference against ``original`` (mean token-F1 difference with a 95%
-bootstrap interval, McNemar's exact test on containment), plus ``cpmemory`` against ``reordered`` (the order
-annotation's own effect). Turns whose gold evidence reached the model only as a reference to an earlier turn are
-also scored apart (``by_reference``). Errors and empty answers are counted, never scored.
+bootstrap interval and the Wilcoxon signed-rank p, McNemar's exact test on containment), plus ``cpmemory`` against
+``reordered`` (the order annotation's own effect). Turns whose gold evidence reached the model only as a reference to
+an earlier turn are also scored apart (``by_reference``). Errors and empty answers are counted, never scored.
 
 Start a real model with ``scripts/real_model.sh up qwen-0.5b`` (docs/guides/real-model.md).
 """
@@ -114,15 +114,15 @@ def _table(report: Mapping[str, Any]) -> Any:
 
     table = Table(title=f"Answer accuracy on {report['model']} (paired; differences against {BASELINE})")
     for header in ("dataset", "condition", "n", "EM", "F1", "contain", "tokens", "F1 diff [95% CI]",
-                   "contain -/+", "McNemar p", "errors", "empty", "lost"):
+                   "F1 p", "contain -/+", "McNemar p", "errors", "empty", "lost"):
         table.add_column(header, justify="left" if header in ("dataset", "condition") else "right")
     for name, figures in report["datasets"].items():
         for condition, values in figures["conditions"].items():
             diff = figures["paired"].get(condition)
-            cells = ["", "", ""]
+            cells = ["", "", "", ""]
             if diff and diff["f1_diff"] is not None:
                 low, high = diff["f1_ci"]
-                cells = [f"{diff['f1_diff']:+.3f} [{low:+.3f}, {high:+.3f}]",
+                cells = [f"{diff['f1_diff']:+.3f} [{low:+.3f}, {high:+.3f}]", f"{diff['f1_wilcoxon_p']:.3f}",
                          f"{diff['contain_only_original']}/{diff['contain_only_cond']}", f"{diff['mcnemar_p']:.3f}"]
             table.add_row(name, condition, str(figures["n"]), *(_fmt(values[k]) for k in ("em", "f1", "contain")),
                           _fmt(values["answer_tokens"], 1), *cells, str(figures["errors"]), str(figures["empty"]),
@@ -131,7 +131,8 @@ def _table(report: Mapping[str, Any]) -> Any:
         if note and note["f1_diff"] is not None:
             table.add_row(name, "annotation effect", str(figures["n"]), "", "", "", "",
                           f"{note['f1_diff']:+.3f} [{note['f1_ci'][0]:+.3f}, {note['f1_ci'][1]:+.3f}]",
-                          f"{note['contain_only_original']}/{note['contain_only_cond']}", f"{note['mcnemar_p']:.3f}",
+                          f"{note['f1_wilcoxon_p']:.3f}", f"{note['contain_only_original']}/{note['contain_only_cond']}",
+                          f"{note['mcnemar_p']:.3f}",
                           "", "", "", style="dim")
     return table
 

@@ -9,8 +9,11 @@ Answers are scored against every gold answer of a question, taking the best:
 Normalisation lowercases, drops punctuation and the articles a/an/the, and collapses white space.
 
 Paired differences compare a condition with ``original`` over the questions both answered (no error, non-empty
-answer): the mean difference of token F1 with a percentile bootstrap confidence interval, and McNemar's exact test
-on containment (the discordant pairs: contained only under one condition).
+answer): the mean difference of token F1 with a percentile bootstrap confidence interval, the Wilcoxon signed-rank
+test on those differences, and McNemar's exact test on containment (the discordant pairs: contained only under one
+condition). Where the gold answers are long-form (MT-RAG's reference answers are sentences) containment is never
+met under any condition, McNemar has nothing to count, and the signed-rank test is the significance test that says
+something.
 """
 from __future__ import annotations
 
@@ -98,6 +101,17 @@ def mcnemar_p(only_first: int, only_second: int) -> float:
     return float(binomtest(min(only_first, only_second), discordant, 0.5).pvalue)
 
 
+def wilcoxon_p(differences: Sequence[float]) -> float:
+    """Two-sided Wilcoxon signed-rank p of paired differences (zero differences dropped); 1.0 when all are zero."""
+    from scipy.stats import wilcoxon
+
+    values = np.asarray(differences, dtype=float)
+    values = values[values != 0.0]  # dropped here, so that scipy's exact test still applies to a few pairs
+    if values.size == 0:
+        return 1.0
+    return float(wilcoxon(values).pvalue)
+
+
 @dataclass(frozen=True, slots=True)
 class Paired:
     """One condition against a baseline over the same questions."""
@@ -109,13 +123,14 @@ class Paired:
     contain_only_condition: int
     mcnemar_p: float
     tokens_diff: float
+    f1_p: float = 1.0
 
     def as_json(self) -> dict[str, object]:
         """The issue's shape (``contain_only_original`` names the baseline whatever it is)."""
         return {"n": self.n, "f1_diff": _round(self.f1_diff), "f1_ci": [_round(v) for v in self.f1_ci],
                 "contain_only_original": self.contain_only_baseline,
                 "contain_only_cond": self.contain_only_condition, "mcnemar_p": _round(self.mcnemar_p),
-                "answer_tokens_diff": _round(self.tokens_diff)}
+                "f1_wilcoxon_p": _round(self.f1_p), "answer_tokens_diff": _round(self.tokens_diff)}
 
 
 def paired(baseline: Sequence[Score], condition: Sequence[Score], baseline_tokens: Sequence[float] = (),
@@ -135,6 +150,7 @@ def paired(baseline: Sequence[Score], condition: Sequence[Score], baseline_token
         contain_only_condition=only_condition,
         mcnemar_p=mcnemar_p(only_baseline, only_condition),
         tokens_diff=float(np.mean(token_diffs)) if token_diffs else float("nan"),
+        f1_p=wilcoxon_p(differences),
     )
 
 

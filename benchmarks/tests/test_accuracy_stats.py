@@ -6,7 +6,16 @@ import math
 import numpy as np
 import pytest
 
-from cpmemory_benchmarks.accuracy_stats import Score, bootstrap_ci, mcnemar_p, means, normalize, paired, score
+from cpmemory_benchmarks.accuracy_stats import (
+    Score,
+    bootstrap_ci,
+    mcnemar_p,
+    means,
+    normalize,
+    paired,
+    score,
+    wilcoxon_p,
+)
 
 
 def test_normalize_drops_case_punctuation_and_articles() -> None:
@@ -37,6 +46,15 @@ def test_mcnemar_exact_p_values() -> None:
         mcnemar_p(-1, 3)
 
 
+def test_wilcoxon_signed_rank_p_values() -> None:
+    assert wilcoxon_p([0.0] * 8) == 1.0
+    # ten distinct losses, no ties: the exact two-sided p is 2 / 2**10 (only one of 2**10 sign patterns is as extreme)
+    assert wilcoxon_p([-0.1 * k for k in range(1, 11)]) == pytest.approx(2 * 0.5 ** 10)
+    # zero differences are dropped: the same losses among many ties give the same p
+    assert wilcoxon_p([0.0] * 30 + [-0.1 * k for k in range(1, 11)]) == pytest.approx(2 * 0.5 ** 10)
+    assert wilcoxon_p([-0.5, 0.5, -0.25, 0.25, -0.1, 0.1]) == pytest.approx(1.0)
+
+
 def test_bootstrap_interval_holds_the_mean_is_seeded_and_narrows_with_n() -> None:
     rng = np.random.default_rng(7)
     small = list(rng.normal(0.1, 0.4, size=40))
@@ -61,8 +79,10 @@ def test_paired_counts_discordant_pairs_and_mean_differences() -> None:
     assert (result.contain_only_baseline, result.contain_only_condition) == (1, 1)
     assert result.mcnemar_p == pytest.approx(1.0)
     assert result.tokens_diff == pytest.approx(0.75)
+    assert result.f1_p == pytest.approx(wilcoxon_p([0.0, -1.0, 1.0, -0.5]))
     shape = result.as_json()
-    assert set(shape) >= {"f1_diff", "f1_ci", "contain_only_original", "contain_only_cond", "mcnemar_p"}
+    assert set(shape) >= {"f1_diff", "f1_ci", "contain_only_original", "contain_only_cond", "mcnemar_p",
+                          "f1_wilcoxon_p"}
     with pytest.raises(ValueError):
         paired(baseline, condition[:2])
 
