@@ -118,23 +118,23 @@ def _table(report: Mapping[str, Any]) -> Any:
         table.add_column(header, justify="left" if header in ("dataset", "condition") else "right")
     for name, figures in report["datasets"].items():
         for condition, values in figures["conditions"].items():
-            diff = figures["paired"].get(condition)
-            cells = ["", "", "", ""]
-            if diff and diff["f1_diff"] is not None:
-                low, high = diff["f1_ci"]
-                cells = [f"{diff['f1_diff']:+.3f} [{low:+.3f}, {high:+.3f}]", f"{diff['f1_wilcoxon_p']:.3f}",
-                         f"{diff['contain_only_original']}/{diff['contain_only_cond']}", f"{diff['mcnemar_p']:.3f}"]
             table.add_row(name, condition, str(figures["n"]), *(_fmt(values[k]) for k in ("em", "f1", "contain")),
-                          _fmt(values["answer_tokens"], 1), *cells, str(figures["errors"]), str(figures["empty"]),
-                          str(figures["lost"]))
+                          _fmt(values["answer_tokens"], 1), *_diff_cells(figures["paired"].get(condition)),
+                          str(figures["errors"]), str(figures["empty"]), str(figures["lost"]))
         note = figures["paired"].get(ANNOTATION)
         if note and note["f1_diff"] is not None:
-            table.add_row(name, "annotation effect", str(figures["n"]), "", "", "", "",
-                          f"{note['f1_diff']:+.3f} [{note['f1_ci'][0]:+.3f}, {note['f1_ci'][1]:+.3f}]",
-                          f"{note['f1_wilcoxon_p']:.3f}", f"{note['contain_only_original']}/{note['contain_only_cond']}",
-                          f"{note['mcnemar_p']:.3f}",
+            table.add_row(name, "annotation effect", str(figures["n"]), "", "", "", "", *_diff_cells(note),
                           "", "", "", style="dim")
     return table
+
+
+def _diff_cells(diff: Mapping[str, Any] | None) -> list[str]:
+    """A paired comparison's cells: F1 difference [CI], its signed-rank p, discordant pairs, McNemar p."""
+    if not diff or diff["f1_diff"] is None:
+        return ["", "", "", ""]
+    low, high = diff["f1_ci"]
+    return [f"{diff['f1_diff']:+.3f} [{low:+.3f}, {high:+.3f}]", f"{diff['f1_wilcoxon_p']:.3f}",
+            f"{diff['contain_only_original']}/{diff['contain_only_cond']}", f"{diff['mcnemar_p']:.3f}"]
 
 
 def _fmt(value: float | None, digits: int = 3) -> str:

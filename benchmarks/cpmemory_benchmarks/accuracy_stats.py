@@ -123,7 +123,7 @@ class Paired:
     contain_only_condition: int
     mcnemar_p: float
     tokens_diff: float
-    f1_p: float = 1.0
+    f1_p: float
 
     def as_json(self) -> dict[str, object]:
         """The issue's shape (``contain_only_original`` names the baseline whatever it is)."""
